@@ -1,0 +1,208 @@
+"""GPT (nanoGPT) whose residual connections are switchable: res, hc, mhc or mhclite.
+
+The residual state is (B, T, n, C): the embedding is copied into n streams, every attention and
+every MLP sublayer is wrapped by its own connection from residuals.py (2L wrappers), and the
+streams are summed before the final LayerNorm and the tied LM head. With residual="res" (n = 1)
+this is exactly nanoGPT.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from residuals import RESIDUALS, expand_streams, reduce_streams
+
+MODEL_SIZES = {
+    "tiny": dict(n_layer=4, n_head=4, n_embd=128),  # ours: a CPU demo and test model
+    "S": dict(n_layer=6, n_head=8, n_embd=512),
+    "M": dict(n_layer=12, n_head=12, n_embd=768),
+    "L": dict(n_layer=24, n_head=16, n_embd=1024),
+}
+
+
+def model_shape(size: str) -> dict:
+    if size not in MODEL_SIZES:
+        raise ValueError(f"unknown size '{size}'; valid: {', '.join(MODEL_SIZES)}")
+    return dict(MODEL_SIZES[size])
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 1024
+    vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 64
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = False
+    residual: str = "res"  # one of RESIDUALS
+    n_streams: int = 4  # forced to 1 for res
+    mhclite_perms: int | None = None  # K permutations; None = all n! (n <= 5)
+    mhclite_perm_sampling: str = "uniform"  # or "cover"
+    perm_seed: int = 0
+    sinkhorn_iters: int = 20
+    recompute_connections: bool = False
+
+    def __post_init__(self):
+        if self.residual not in RESIDUALS:
+            raise ValueError(f"unknown residual '{self.residual}'; valid: {', '.join(RESIDUALS)}")
+        if self.residual == "res":
+            self.n_streams = 1
+        if self.n_streams < 1:
+            raise ValueError(f"n_streams must be >= 1, got {self.n_streams}")
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+
+
+def connection_options(config: GPTConfig) -> dict:
+    """The variant-specific constructor arguments of the connection modules."""
+    if config.residual == "mhc":
+        return dict(sinkhorn_iters=config.sinkhorn_iters)
+    if config.residual == "mhclite":
+        return dict(num_perms=config.mhclite_perms, perm_sampling=config.mhclite_perm_sampling,
+                    perm_seed=config.perm_seed)
+    return {}
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.n_head, self.n_embd, self.dropout = config.n_head, config.n_embd, config.dropout
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block; each sublayer is wrapped by its own connection."""
+
+    def __init__(self, config, layer_index):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+        connection = RESIDUALS[config.residual]
+        options = dict(recompute=config.recompute_connections, **connection_options(config))
+        self.attn_connection = connection(config.n_embd, config.n_streams, 2 * layer_index, **options)
+        self.mlp_connection = connection(config.n_embd, config.n_streams, 2 * layer_index + 1, **options)
+
+    def attn_branch(self, x):
+        return self.attn(self.ln_1(x))
+
+    def mlp_branch(self, x):
+        return self.mlp(self.ln_2(x))
+
+    def forward(self, x):
+        x = self.attn_connection(x, self.attn_branch)
+        x = self.mlp_connection(x, self.mlp_branch)
+        return x
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # weight tying
+
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):  # GPT-2's scaled init of the residual projections
+                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        for module in self.connections():  # the paper's init (zero projections), after the above
+            module.reset_parameters()
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def connections(self):
+        return [m for block in self.transformer.h for m in (block.attn_connection, block.mlp_connection)]
+
+    def forward(self, idx, targets=None):
+        B, T = idx.size()
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        pos = torch.arange(0, T, dtype=torch.long, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        x = expand_streams(x, self.config.n_streams)
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(reduce_streams(x))
+        if targets is None:
+            return self.lm_head(x[:, [-1], :]), None
+        logits = self.lm_head(x)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        return logits, loss
+
+    # ------------------------------------------------------------------------------------------
+
+    def parameter_counts(self) -> dict:
+        """total; non_embedding (nanoGPT's count: all but the position embedding; the token
+        embedding is the tied LM head); connections (the HC-family parameters)."""
+        total = sum(p.numel() for p in self.parameters())
+        connections = sum(p.numel() for m in self.connections() for p in m.parameters())
+        return dict(total=total, non_embedding=total - self.transformer.wpe.weight.numel(), connections=connections)
+
+    def get_num_params(self, non_embedding=True) -> int:
+        counts = self.parameter_counts()
+        return counts["non_embedding"] if non_embedding else counts["total"]
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+        """AdamW that decays only the 2-D projection weights (Linear and Embedding weights,
+        connection projections included); biases, scales, static HC matrices and norm gains
+        are never decayed (SPEC section 2)."""
+        decay_ids = {id(m.weight) for m in self.modules() if isinstance(m, (nn.Linear, nn.Embedding))}
+        params = list(dict.fromkeys(p for p in self.parameters() if p.requires_grad))
+        decay = [p for p in params if id(p) in decay_ids]
+        no_decay = [p for p in params if id(p) not in decay_ids]
+        groups = [dict(params=decay, weight_decay=weight_decay), dict(params=no_decay, weight_decay=0.0)]
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == "cuda")
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token (forward + backward = 3x forward): 6N for the weights
+        (connection projections included), attention scores 12 L T C as in nanoGPT (not halved
+        for causality), and the stream mixing of the 2L connections."""
+        cfg = self.config
+        attention = 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+        mixing = 3 * sum(m.mixing_flops_per_token() for m in self.connections())
+        return 6 * self.get_num_params() + attention + mixing
+
+    def estimate_mfu(self, tokens_per_iter: int, dt: float, peak_flops: float) -> float:
+        """Model FLOPs utilisation: achieved training FLOP/s over the device's peak."""
+        return self.flops_per_token() * tokens_per_iter / dt / peak_flops

@@ -1,0 +1,361 @@
+"""Residual connections for a pre-norm transformer, behind one interface.
+
+    RESIDUALS = {"res": Residual, "hc": HyperConnection, "mhc": ManifoldHyperConnection,
+                 "mhclite": ManifoldHyperConnectionLite}
+
+Every connection wraps one sublayer (attention or MLP). It is built as
+`Connection(width, n_streams, wrapper_index, ...)` and called as `connection(x, branch)`, where
+x is the residual state of shape (B, T, n, C) and `branch` maps (B, T, C) -> (B, T, C) (the
+pre-norm sublayer f). Streams sit next to channels, so flattening a token's state to n*C is a
+view. Per token, the HC family computes (SPEC section 2)
+
+    u           = sum_i h_pre[i] * x[i]                            (branch input)
+    x_next[i]   = sum_j h_res[i, j] * x[j] + h_post[i] * f(u)
+
+and the variants differ only in how h_pre, h_post and h_res are made from x. All coefficient
+math runs in fp32, also under bf16 autocast, so that mhclite's h_res is doubly stochastic to
+fp32 rounding. The residual state itself stays fp32, like nanoGPT's residual stream.
+
+This file depends on torch only, so it can be copied into other models.
+"""
+
+import contextlib
+import itertools
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+RMS_EPS = 1e-6
+
+# ----------------------------------------------------------------------------------------------
+# Building blocks
+
+
+def sinkhorn(logits: torch.Tensor, iters: int = 20) -> torch.Tensor:
+    """Sinkhorn-Knopp on exp(logits) over the last two dims, computed in log space.
+
+    Each iteration normalises every column to sum 1, then every row, so after any number of
+    iterations the rows are exact and the column sums carry the approximation error.
+    Runs in fp32 (or float64 when given float64) and returns that dtype.
+    """
+    log_p = logits if logits.dtype == torch.float64 else logits.float()
+    for _ in range(iters):
+        log_p = log_p - torch.logsumexp(log_p, dim=-2, keepdim=True)
+        log_p = log_p - torch.logsumexp(log_p, dim=-1, keepdim=True)
+    return log_p.exp()
+
+
+PERM_SAMPLINGS = ("uniform", "cover")
+_ENUMERATE_LIMIT = 8  # up to 8! = 40320 permutations are enumerated; beyond that, sampled
+
+
+def permutations(n: int, k: int | None = None, seed: int = 0, sampling: str = "uniform") -> torch.Tensor:
+    """A set of k distinct permutations of n items as an index tensor (k, n), identity first.
+
+    Row p maps output stream i to input stream perm[p, i], i.e. matrix P[i, perm[p, i]] = 1.
+    k=None gives all n! in lexicographic order. Otherwise the identity plus k-1 others drawn
+    without repetition by a generator seeded with `seed`:
+      "uniform": uniformly from the other n! - 1 permutations;
+      "cover":   the n cyclic shifts first (together they cover every (i, j) position once, so
+                 every entry of H_res can become nonzero), then uniform draws; needs k >= n.
+    """
+    if n < 1:
+        raise ValueError(f"n_streams must be >= 1, got {n}")
+    if sampling not in PERM_SAMPLINGS:
+        raise ValueError(f"unknown permutation sampling '{sampling}'; valid: {', '.join(PERM_SAMPLINGS)}")
+    total = math.factorial(n)
+    if k is None:
+        if n > 5:
+            raise ValueError(f"mhclite with n_streams={n} needs a permutation budget mhclite_perms "
+                             f"(all {n}! = {total} permutations only for n <= 5)")
+        return torch.tensor(list(itertools.permutations(range(n))), dtype=torch.long)
+    if not 1 <= k <= total:
+        raise ValueError(f"mhclite_perms must be in 1..{n}! = {total}, got {k}")
+    if sampling == "cover" and k < n:
+        raise ValueError(f"'cover' permutation sampling needs mhclite_perms >= n_streams = {n}, got {k}")
+
+    generator = torch.Generator().manual_seed(seed)
+    chosen = [tuple(range(n))]
+    if sampling == "cover":
+        chosen += [tuple((i + shift) % n for i in range(n)) for shift in range(1, n)]
+    if n <= _ENUMERATE_LIMIT:
+        taken = set(chosen)
+        rest = [p for p in itertools.permutations(range(n)) if p not in taken]
+        order = torch.randperm(len(rest), generator=generator)[: k - len(chosen)]
+        chosen += [rest[i] for i in order.tolist()]
+    else:
+        taken = set(chosen)
+        while len(chosen) < k:
+            p = tuple(torch.randperm(n, generator=generator).tolist())
+            if p not in taken:
+                taken.add(p)
+                chosen.append(p)
+    return torch.tensor(chosen[:k], dtype=torch.long)
+
+
+def permutation_matrices(n: int, k: int | None = None, seed: int = 0, sampling: str = "uniform") -> torch.Tensor:
+    """The permutation matrices (k, n, n) of `permutations(n, k, seed, sampling)`, identity first."""
+    perms = permutations(n, k, seed, sampling)
+    return F.one_hot(perms, n).float()
+
+
+def expand_streams(x: torch.Tensor, n_streams: int) -> torch.Tensor:
+    """(B, T, C) -> (B, T, n, C): the embedding copied into every stream."""
+    x = x.unsqueeze(-2)
+    return x if n_streams == 1 else x.expand(-1, -1, n_streams, -1).contiguous()
+
+
+def reduce_streams(x: torch.Tensor) -> torch.Tensor:
+    """(B, T, n, C) -> (B, T, C): the streams summed."""
+    return x.sum(dim=-2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Capture hook for analysis: records what every connection computed during an ordinary forward.
+
+_capture_records: list | None = None
+
+
+@contextlib.contextmanager
+def capture_connections():
+    """Record every HC-family connection's coefficients during forward passes in this context.
+
+    Yields a list that receives one dict per connection call, in forward order, with
+    "wrapper" (index over the 2L wrappers), "residual" (name), "h_res" (B, T, n, n) with
+    x_next[i] = sum_j h_res[i, j] x[j], "h_pre" and "h_post" (B, T, n), and for mhc "logits"
+    (B, T, n, n), the Sinkhorn input's logarithm, and for mhclite "perm_weights" (B, T, K).
+    Tensors are detached fp32 copies on the model's device. Outside the context nothing is
+    recorded and nothing is computed for it.
+    """
+    global _capture_records
+    previous, _capture_records = _capture_records, []
+    try:
+        yield _capture_records
+    finally:
+        _capture_records = previous
+
+
+# ----------------------------------------------------------------------------------------------
+# The four variants
+
+
+class Residual(nn.Module):
+    """res: x + f(x), the plain pre-norm residual (one stream)."""
+
+    def __init__(self, width: int, n_streams: int, wrapper_index: int, recompute: bool = False):
+        super().__init__()
+        if n_streams != 1:
+            raise ValueError(f"res has exactly one stream, got n_streams={n_streams}")
+        self.width, self.n_streams, self.wrapper_index = width, n_streams, wrapper_index
+
+    def reset_parameters(self):
+        pass
+
+    def forward(self, x, branch):
+        return x + branch(x[..., 0, :]).unsqueeze(-2)
+
+    def mixing_flops_per_token(self) -> int:
+        return self.width  # the residual add
+
+
+class StreamConnection(nn.Module):
+    """Shared part of hc, mhc and mhclite: the pre-aggregation and the mixing with h_res/h_post.
+
+    Subclasses implement `coefficients(x) -> dict` with fp32 "h_pre" (B, T, n), "h_post" (B, T, n),
+    "h_res" (B, T, n, n) and any extra entries worth recording for analysis.
+    """
+
+    name = ""
+
+    def __init__(self, width: int, n_streams: int, wrapper_index: int, recompute: bool = False):
+        super().__init__()
+        if n_streams < 1:
+            raise ValueError(f"n_streams must be >= 1, got {n_streams}")
+        self.width, self.n_streams, self.wrapper_index = width, n_streams, wrapper_index
+        self.stream_index = wrapper_index % n_streams  # the stream this wrapper reads at init
+        self.recompute = recompute
+
+    def _pre(self, x):
+        with torch.autocast(x.device.type, enabled=False):
+            x = x.float()
+            coeffs = self.coefficients(x)
+            branch_input = (coeffs["h_pre"].unsqueeze(-2) @ x).squeeze(-2)
+        return coeffs, branch_input
+
+    def forward(self, x, branch):
+        if self.recompute and torch.is_grad_enabled():
+            # Keep only x; the coefficients and the branch input are recomputed in backward.
+            coeffs, branch_input = checkpoint(self._pre, x, use_reentrant=False)
+        else:
+            coeffs, branch_input = self._pre(x)
+        if _capture_records is not None:
+            _capture_records.append({"wrapper": self.wrapper_index, "residual": self.name,
+                                     **{key: value.detach().float() for key, value in coeffs.items()}})
+        y = branch(branch_input)
+        with torch.autocast(x.device.type, enabled=False):
+            return coeffs["h_res"] @ x + coeffs["h_post"].unsqueeze(-1) * y.unsqueeze(-2)
+
+    def mixing_flops_per_token(self) -> int:
+        """Forward FLOPs per token besides the projection (whose weights count in 6N):
+        norm 2nC, pre-aggregation 2nC, h_res mixing 2n^2C, post scale and add 2nC."""
+        n, c = self.n_streams, self.width
+        return 2 * n * n * c + 6 * n * c
+
+
+def _fused_rms_projection(x, gain, weight):
+    """RMSNorm(x; gain) @ weight.T over the last dim, as (x @ (gain * weight).T) * rsqrt(mean(x^2)).
+
+    Identical math; the normalised copy of x is never materialised (x is kept anyway).
+    """
+    inv_rms = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + RMS_EPS)
+    return (x @ (weight * gain).t()) * inv_rms
+
+
+class HyperConnection(StreamConnection):
+    """hc: dynamic Hyper-Connections (Zhu et al. 2024) with tanh.
+
+    Per stream i with RMS-normalised x_bar_i:
+      A_i = static_alpha[i] + s_a * tanh(x_bar_i W_a)  in R^{n+1}: column 0 = pre weight,
+                                                         columns 1.. = weights into output streams
+      B_i = static_beta[i]  + s_b * tanh(x_bar_i W_b)  (post weight)
+    so h_pre = A[:, 0], h_res = A[:, 1:] transposed (ours is [out, in]), h_post = B.
+    """
+
+    name = "hc"
+
+    def __init__(self, width, n_streams, wrapper_index, recompute=False):
+        super().__init__(width, n_streams, wrapper_index, recompute)
+        n = n_streams
+        self.norm_gain = nn.Parameter(torch.ones(width))
+        self.proj = nn.Linear(width, n + 2, bias=False)  # [W_a | W_b] fused
+        self.static_alpha = nn.Parameter(torch.zeros(n, n + 1))
+        self.static_beta = nn.Parameter(torch.ones(n))
+        self.scale_alpha = nn.Parameter(torch.tensor(0.01))
+        self.scale_beta = nn.Parameter(torch.tensor(0.01))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        n = self.n_streams
+        self.norm_gain.fill_(1.0)
+        self.proj.weight.zero_()
+        self.static_alpha.zero_()
+        self.static_alpha[self.stream_index, 0] = 1.0
+        self.static_alpha[:, 1:] = torch.eye(n)
+        self.static_beta.fill_(1.0)
+        self.scale_alpha.fill_(0.01)
+        self.scale_beta.fill_(0.01)
+
+    def coefficients(self, x):
+        n = self.n_streams
+        p = torch.tanh(_fused_rms_projection(x, self.norm_gain, self.proj.weight))  # (B, T, n, n+2)
+        alpha = self.static_alpha + self.scale_alpha * p[..., : n + 1]
+        beta = self.static_beta + self.scale_beta * p[..., n + 1]
+        return {"h_pre": alpha[..., 0], "h_post": beta, "h_res": alpha[..., 1:].transpose(-1, -2)}
+
+
+class ManifoldConnectionBase(StreamConnection):
+    """Shared part of mhc and mhclite (SPEC section 2): one RMSNorm over all n*C entries and one
+    fused projection [W_pre | W_post | W_res]; subclasses turn the res logits into h_res."""
+
+    def __init__(self, width, n_streams, wrapper_index, recompute=False, res_logits=0):
+        super().__init__(width, n_streams, wrapper_index, recompute)
+        n = n_streams
+        self.res_logits = res_logits
+        self.norm_gain = nn.Parameter(torch.ones(n * width))
+        self.proj = nn.Linear(n * width, 2 * n + res_logits, bias=False)
+        self.bias_pre = nn.Parameter(torch.zeros(n))
+        self.bias_post = nn.Parameter(torch.zeros(n))
+        self.bias_res = nn.Parameter(torch.zeros(res_logits))
+        self.scale_pre = nn.Parameter(torch.tensor(0.01))
+        self.scale_post = nn.Parameter(torch.tensor(0.01))
+        self.scale_res = nn.Parameter(torch.tensor(0.01))
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        self.norm_gain.fill_(1.0)
+        self.proj.weight.zero_()
+        for bias in (self.bias_pre, self.bias_post):
+            bias.fill_(-1.0)
+            bias[self.stream_index] = 1.0
+        for scale in (self.scale_pre, self.scale_post, self.scale_res):
+            scale.fill_(0.01)
+
+    def coefficients(self, x):
+        n = self.n_streams
+        p = _fused_rms_projection(x.flatten(-2), self.norm_gain, self.proj.weight)  # (B, T, 2n+R)
+        pre, post, res = p.split([n, n, self.res_logits], dim=-1)
+        coeffs = self.residual_matrix(self.scale_res * res + self.bias_res)
+        coeffs["h_pre"] = torch.sigmoid(self.scale_pre * pre + self.bias_pre)
+        coeffs["h_post"] = 2 * torch.sigmoid(self.scale_post * post + self.bias_post)
+        return coeffs
+
+
+class ManifoldHyperConnection(ManifoldConnectionBase):
+    """mhc: h_res = Sinkhorn-Knopp(exp(mat(logits))) with a fixed number of iterations."""
+
+    name = "mhc"
+
+    def __init__(self, width, n_streams, wrapper_index, recompute=False, sinkhorn_iters: int = 20):
+        super().__init__(width, n_streams, wrapper_index, recompute, res_logits=n_streams * n_streams)
+        self.sinkhorn_iters = sinkhorn_iters
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        super().reset_parameters()
+        n = self.n_streams
+        self.bias_res.copy_(torch.full((n, n), -8.0).fill_diagonal_(0.0).flatten())
+
+    def residual_matrix(self, logits):
+        logits = logits.unflatten(-1, (self.n_streams, self.n_streams))
+        return {"h_res": sinkhorn(logits, self.sinkhorn_iters), "logits": logits}
+
+
+class ManifoldHyperConnectionLite(ManifoldConnectionBase):
+    """mhclite: h_res = sum_k softmax(logits)_k P_k over a set of permutation matrices.
+
+    Exactly doubly stochastic by construction (Birkhoff-von Neumann): every P_k is, and the
+    weights are a convex combination. All n! permutations by default (n <= 5), else a seeded
+    subset of `num_perms` that always includes the identity.
+    """
+
+    name = "mhclite"
+
+    def __init__(self, width, n_streams, wrapper_index, recompute=False, num_perms: int | None = None,
+                 perm_sampling: str = "uniform", perm_seed: int = 0):
+        perms = permutations(n_streams, num_perms, perm_seed, perm_sampling)
+        super().__init__(width, n_streams, wrapper_index, recompute, res_logits=len(perms))
+        # The index set is saved with the weights, so a loaded model uses the permutations its
+        # W_res columns were trained for; the 0/1 matrix is derived from it and not saved.
+        self.register_buffer("perms", perms)
+        self.register_buffer("perm_matrices", F.one_hot(perms, n_streams).float().flatten(1), persistent=False)
+        self.register_load_state_dict_post_hook(_rebuild_permutation_matrices)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        super().reset_parameters()
+        self.bias_res.fill_(-8.0)
+        self.bias_res[0] = 0.0  # the identity permutation comes first
+
+    def residual_matrix(self, logits):
+        weights = torch.softmax(logits, dim=-1)
+        h_res = (weights @ self.perm_matrices).unflatten(-1, (self.n_streams, self.n_streams))
+        return {"h_res": h_res, "perm_weights": weights}
+
+
+@torch.no_grad()
+def _rebuild_permutation_matrices(module, incompatible_keys):
+    module.perm_matrices.copy_(F.one_hot(module.perms, module.n_streams).flatten(1))
+
+
+RESIDUALS = {
+    "res": Residual,
+    "hc": HyperConnection,
+    "mhc": ManifoldHyperConnection,
+    "mhclite": ManifoldHyperConnectionLite,
+}
