@@ -56,7 +56,7 @@ def permutations(n: int, k: int | None = None, seed: int = 0, sampling: str = "u
     """A set of k distinct permutations of n items as an index tensor (k, n), identity first.
 
     Row p maps output stream i to input stream perm[p, i], i.e. matrix P[i, perm[p, i]] = 1.
-    k=None gives all n! in lexicographic order. Otherwise the identity plus k-1 others drawn
+    k=None or k=n! gives all n! in lexicographic order. Otherwise the identity plus k-1 others drawn
     without repetition by a generator seeded with `seed`:
       "uniform": uniformly from the other n! - 1 permutations;
       "cover":   the n cyclic shifts first (together they cover every (i, j) position once, so
@@ -67,13 +67,13 @@ def permutations(n: int, k: int | None = None, seed: int = 0, sampling: str = "u
     if sampling not in PERM_SAMPLINGS:
         raise ValueError(f"unknown permutation sampling '{sampling}'; valid: {', '.join(PERM_SAMPLINGS)}")
     total = math.factorial(n)
-    if k is None:
-        if n > 5:
-            raise ValueError(f"mhclite with n_streams={n} needs a permutation budget mhclite_perms "
-                             f"(all {n}! = {total} permutations only for n <= 5)")
-        return torch.tensor(list(itertools.permutations(range(n))), dtype=torch.long)
-    if not 1 <= k <= total:
+    if k is None and n > 5:
+        raise ValueError(f"mhclite with n_streams={n} needs a permutation budget mhclite_perms "
+                         f"(all {n}! = {total} permutations only for n <= 5)")
+    if k is not None and not 1 <= k <= total:
         raise ValueError(f"mhclite_perms must be in 1..{n}! = {total}, got {k}")
+    if k is None or k == total:
+        return torch.tensor(list(itertools.permutations(range(n))), dtype=torch.long)
     if sampling == "cover" and k < n:
         raise ValueError(f"'cover' permutation sampling needs mhclite_perms >= n_streams = {n}, got {k}")
 

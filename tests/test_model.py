@@ -1,0 +1,182 @@
+"""GPT with switchable residuals: nanoGPT equivalence, hc == res at init, gradients, sizes, compile."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import GPT, MODEL_SIZES, GPTConfig, model_shape
+from residuals import capture_connections
+
+VOCAB, BLOCK = 97, 32
+
+
+def tiny(residual="res", **overrides):
+    return GPTConfig(block_size=BLOCK, vocab_size=VOCAB, residual=residual, **{**MODEL_SIZES["tiny"], **overrides})
+
+
+def tokens(b=2, t=BLOCK, seed=0):
+    return torch.randint(0, VOCAB, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+def test_res_block_is_nanogpt_block_bit_for_bit():
+    torch.manual_seed(0)
+    model = GPT(tiny("res"))
+    block = model.transformer.h[1]
+    x = torch.randn(2, BLOCK, 128)
+    expected = x + block.attn(block.ln_1(x))  # nanoGPT's Block.forward, written out
+    expected = expected + block.mlp(block.ln_2(expected))
+    assert torch.equal(block(x.unsqueeze(-2)).squeeze(-2), expected)
+
+
+def test_res_model_is_nanogpt_forward_bit_for_bit():
+    torch.manual_seed(0)
+    model = GPT(tiny("res"))
+    idx = tokens()
+    t = model.transformer
+    x = t.wte(idx) + t.wpe(torch.arange(BLOCK))
+    for block in t.h:
+        x = x + block.attn(block.ln_1(x))
+        x = x + block.mlp(block.ln_2(x))
+    expected = model.lm_head(t.ln_f(x))
+    logits, _ = model(idx, idx)
+    assert torch.equal(logits, expected)
+
+
+def test_hc_at_init_equals_res_with_shared_weights():
+    torch.manual_seed(0)
+    res = GPT(tiny("res"))
+    hc = GPT(tiny("hc"))
+    missing, unexpected = hc.load_state_dict(res.state_dict(), strict=False)
+    assert unexpected == []
+    assert all("_connection." in key for key in missing)  # only the connection parameters differ
+    idx = tokens()
+    # Every hc stream carries exactly the res state, layer after layer.
+    x_res = res.transformer.wte(idx) + res.transformer.wpe(torch.arange(BLOCK))
+    x_hc = x_res.unsqueeze(-2).expand(-1, -1, 4, -1).contiguous()
+    x_res = x_res.unsqueeze(-2)
+    for block_res, block_hc in zip(res.transformer.h, hc.transformer.h):
+        x_res, x_hc = block_res(x_res), block_hc(x_hc)
+        torch.testing.assert_close(x_hc, x_res.expand_as(x_hc), rtol=1e-6, atol=1e-6)
+    # The output sums the n equal streams; LayerNorm removes that factor n exactly but for its eps
+    # (LN(n x; eps) = LN(x; eps / n^2)), so compare the logits with eps = 0 in both.
+    res.transformer.ln_f.eps = hc.transformer.ln_f.eps = 0.0
+    res_logits, res_loss = res(idx, idx)
+    hc_logits, hc_loss = hc(idx, idx)
+    torch.testing.assert_close(hc_logits, res_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hc_loss, res_loss, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("residual,n", [("res", 1), ("hc", 2), ("hc", 4), ("mhc", 2), ("mhc", 4),
+                                        ("mhclite", 2), ("mhclite", 4)])
+def test_forward_backward_finite_gradients_for_every_parameter(residual, n):
+    torch.manual_seed(0)
+    model = GPT(tiny(residual, n_streams=n))
+    optimizer = model.configure_optimizers(0.1, 1e-2, (0.9, 0.95), "cpu")
+    idx = tokens()
+    for step in range(2):  # the second pass runs with W_pre/W_post/W_res moved off zero
+        optimizer.zero_grad()
+        logits, loss = model(idx, idx)
+        assert logits.shape == (2, BLOCK, VOCAB) and torch.isfinite(loss)
+        loss.backward()
+        for name, p in model.named_parameters():
+            assert p.grad is not None and torch.isfinite(p.grad).all(), name
+        optimizer.step()
+    for m in model.connections():
+        if residual != "res":
+            assert m.proj.weight.abs().max() > 0
+
+
+def test_logits_for_generation_are_last_position_only():
+    model = GPT(tiny("mhclite"))
+    logits, loss = model(tokens())
+    assert logits.shape == (2, 1, VOCAB) and loss is None
+
+
+@pytest.mark.parametrize("size,expected", [("S", 44.7e6), ("M", 124.0e6), ("L", 353.9e6)])
+def test_parameter_counts_match_paper_sizes(size, expected):
+    with torch.device("meta"):
+        counts = {r: GPT(GPTConfig(residual=r, **model_shape(size))).parameter_counts()
+                  for r in ("res", "hc", "mhc", "mhclite")}
+    assert abs(counts["res"]["non_embedding"] - expected) / expected < 0.02
+    assert counts["res"]["connections"] == 0
+    for residual in ("hc", "mhc", "mhclite"):
+        extra = counts[residual]["total"] - counts["res"]["total"]
+        assert extra == counts[residual]["connections"] > 0
+    # mhc and mhclite differ only in W_res/b_res: n^2 = 16 vs n! = 24 columns per wrapper.
+    cfg = model_shape(size)
+    per_column = 2 * cfg["n_layer"] * (4 * cfg["n_embd"] + 1)
+    assert counts["mhclite"]["total"] - counts["mhc"]["total"] == (24 - 16) * per_column
+
+
+def test_weight_decay_groups_follow_spec():
+    model = GPT(tiny("hc"))
+    decay, no_decay = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu").param_groups
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = {names[id(p)] for p in decay["params"]}
+    kept = {names[id(p)] for p in no_decay["params"]}
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(n.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight", "proj.weight", "wte.weight",
+                           "wpe.weight")) for n in decayed)
+    assert "transformer.h.0.attn_connection.proj.weight" in decayed
+    for never in ("static_alpha", "static_beta", "scale_alpha", "norm_gain", "ln_1.weight"):
+        assert any(never in n for n in kept) and not any(never in n for n in decayed)
+    mhclite = GPT(tiny("mhclite"))
+    decay, no_decay = mhclite.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu").param_groups
+    kept = {n for n, p in mhclite.named_parameters() if any(p is q for q in no_decay["params"])}
+    assert {"bias_res", "scale_res", "bias_pre", "norm_gain"} <= {n.split(".")[-1] for n in kept}
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(residual="resnet"), "unknown residual 'resnet'; valid: res, hc, mhc, mhclite"),
+    (dict(residual="hc", n_streams=0), "n_streams must be >= 1"),
+    (dict(n_embd=100, n_head=3), "not divisible"),
+    (dict(residual="mhclite", n_streams=6), "needs a permutation budget mhclite_perms"),
+])
+def test_config_errors_are_one_line(overrides, message):
+    with pytest.raises(ValueError, match=message) as error:
+        GPT(GPTConfig(**{**MODEL_SIZES["tiny"], "block_size": 8, "vocab_size": 11, **overrides}))
+    assert "\n" not in str(error.value)
+
+
+def test_unknown_size_names_valid_sizes():
+    with pytest.raises(ValueError, match="unknown size 'XL'; valid: tiny, S, M, L"):
+        model_shape("XL")
+
+
+def test_res_forces_one_stream():
+    assert GPTConfig(residual="res", n_streams=4).n_streams == 1
+
+
+@pytest.mark.parametrize("residual", ["hc", "mhc", "mhclite"])
+def test_model_capture_covers_every_wrapper_and_keeps_output(residual):
+    torch.manual_seed(0)
+    model = GPT(tiny(residual)).eval()
+    idx = tokens()
+    plain, _ = model(idx, idx)
+    with capture_connections() as records:
+        captured, _ = model(idx, idx)
+    assert torch.equal(plain, captured)
+    assert [r["wrapper"] for r in records] == list(range(8))
+    assert all(r["h_res"].shape == (2, BLOCK, 4, 4) for r in records)
+
+
+@pytest.mark.parametrize("residual", ["hc", "mhc", "mhclite"])
+def test_model_recompute_same_gradients(residual):
+    grads = []
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        model = GPT(tiny(residual, recompute_connections=recompute))
+        _, loss = model(tokens(), tokens(seed=1))
+        loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("residual", ["res", "hc", "mhc", "mhclite"])
+def test_no_graph_breaks_under_dynamo(residual):
+    torch._dynamo.reset()
+    model = GPT(tiny(residual))
+    explanation = torch._dynamo.explain(model)(tokens(), tokens(seed=1))
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1

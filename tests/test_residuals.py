@@ -1,0 +1,345 @@
+"""The connection modules against SPEC section 2: exactness, Sinkhorn behaviour, init, capture."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from residuals import (RESIDUALS, HyperConnection, ManifoldHyperConnection, ManifoldHyperConnectionLite,
+                       capture_connections, permutation_matrices, permutations, sinkhorn)
+
+
+def randomise(module, scale=1.0, seed=0):
+    """Move every parameter of a connection off its init so that all paths are exercised."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=generator))
+    return module
+
+
+def branch(u):
+    return torch.tanh(u) * 0.5 + 0.1  # a stand-in sublayer: any (B, T, C) -> (B, T, C)
+
+
+def stream_state(b=2, t=5, n=4, c=8, seed=1):
+    return torch.randn(b, t, n, c, generator=torch.Generator().manual_seed(seed))
+
+
+def rms_norm(x, gain):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * gain
+
+
+# ----------------------------------------------------------------------------------------------
+# Literal transcriptions of SPEC section 2, one token at a time, as the reference.
+
+
+def reference_manifold(module, x, h_res_fn):
+    n, c = module.n_streams, module.width
+    w_pre, w_post, w_res = module.proj.weight.split([n, n, module.res_logits], dim=0)
+    out = torch.empty_like(x)
+    for b in range(x.shape[0]):
+        for t in range(x.shape[1]):
+            xl = x[b, t]
+            xh = rms_norm(xl.reshape(n * c), module.norm_gain)
+            h_pre = torch.sigmoid(module.scale_pre * (xh @ w_pre.t()) + module.bias_pre)
+            h_post = 2 * torch.sigmoid(module.scale_post * (xh @ w_post.t()) + module.bias_post)
+            h_res = h_res_fn(module.scale_res * (xh @ w_res.t()) + module.bias_res)
+            u = sum(h_pre[i] * xl[i] for i in range(n))
+            fu = branch(u)
+            for i in range(n):
+                out[b, t, i] = sum(h_res[i, j] * xl[j] for j in range(n)) + h_post[i] * fu
+    return out
+
+
+def reference_hc(module, x):
+    n = module.n_streams
+    w_a, w_b = module.proj.weight.split([n + 1, 1], dim=0)
+    out = torch.empty_like(x)
+    for b in range(x.shape[0]):
+        for t in range(x.shape[1]):
+            xl = x[b, t]
+            xbar = rms_norm(xl, module.norm_gain)  # per stream
+            A = module.static_alpha + module.scale_alpha * torch.tanh(xbar @ w_a.t())  # (n, n+1)
+            B = module.static_beta + module.scale_beta * torch.tanh(xbar @ w_b.t())[:, 0]  # (n,)
+            u = sum(A[i, 0] * xl[i] for i in range(n))
+            fu = branch(u)
+            for j in range(n):  # HC: output stream j = sum_i A[i, 1+j] x_i + B_j f(u)
+                out[b, t, j] = sum(A[i, 1 + j] * xl[i] for i in range(n)) + B[j] * fu
+    return out
+
+
+def test_mhc_matches_spec_formulas():
+    module = randomise(ManifoldHyperConnection(8, 4, 1), scale=0.3)
+    x = stream_state()
+    expected = reference_manifold(module, x, lambda z: sinkhorn(z.view(4, 4), 20))
+    torch.testing.assert_close(module(x, branch), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_mhclite_matches_spec_formulas():
+    module = randomise(ManifoldHyperConnectionLite(8, 4, 2), scale=0.3)
+    x = stream_state()
+    P = permutation_matrices(4)
+    expected = reference_manifold(module, x, lambda z: torch.einsum("k,kij->ij", torch.softmax(z, -1), P))
+    torch.testing.assert_close(module(x, branch), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_hc_matches_spec_formulas():
+    module = randomise(HyperConnection(8, 4, 3), scale=0.3)
+    x = stream_state()
+    torch.testing.assert_close(module(x, branch), reference_hc(module, x), rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# mhclite is exactly doubly stochastic
+
+
+def mhclite_h_res(n=4, c=16, scale=100.0, autocast=False, seed=0, **kwargs):
+    module = randomise(ManifoldHyperConnectionLite(c, n, 0, **kwargs), scale=scale, seed=seed)
+    x = stream_state(b=4, t=16, n=n, c=c, seed=seed + 1) * scale
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), capture_connections() as records:
+        module(x, branch)
+    return records[0]["h_res"].reshape(-1, n, n)
+
+
+def assert_doubly_stochastic(h, tol=1e-6):
+    assert h.dtype == torch.float32
+    assert (h >= 0).all()
+    assert (h.sum(-1) - 1).abs().max().item() < tol
+    assert (h.sum(-2) - 1).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_mhclite_h_res_doubly_stochastic_for_large_logits(autocast):
+    h = mhclite_h_res(scale=100.0, autocast=autocast)
+    assert_doubly_stochastic(h)
+    # Large logits really do make the weights peaky, so this is not the near-identity init.
+    assert h.amax(dim=(-1, -2)).min() < 0.999 or h.std() > 0.1
+
+
+def test_product_of_48_mhclite_matrices_stays_doubly_stochastic():
+    h = mhclite_h_res(scale=100.0)
+    product = torch.eye(4).expand_as(h[:1]).clone()
+    for step in range(48):
+        product = h.roll(step, dims=0) @ product  # 48 different per-token matrices per chain
+    assert_doubly_stochastic(product)
+
+
+def test_mhc_h_res_is_not_doubly_stochastic_for_large_logits():
+    """The contrast that motivates mhclite: 20 SK iterations leave column error at large logits."""
+    module = randomise(ManifoldHyperConnection(16, 4, 0), scale=100.0)
+    with capture_connections() as records:
+        module(stream_state(b=4, t=16, n=4, c=16) * 100.0, branch)
+    h = records[0]["h_res"]
+    assert (h.sum(-1) - 1).abs().max() < 1e-5  # rows are exact by construction of the iteration
+    assert (h.sum(-2) - 1).abs().max() > 1e-3  # columns are not
+
+
+# ----------------------------------------------------------------------------------------------
+# Sinkhorn
+
+
+def test_sinkhorn_rows_exact_after_20_iterations():
+    logits = torch.randn(64, 4, 4) * 5
+    h = sinkhorn(logits, 20)
+    assert (h.sum(-1) - 1).abs().max() < 1e-6
+    assert (h >= 0).all()
+
+
+def test_sinkhorn_columns_converge_on_well_conditioned_input():
+    logits = 0.5 * torch.randn(256, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    errors = [(sinkhorn(logits, iters).sum(-2) - 1).abs().max().item() for iters in (1, 3, 10, 20)]
+    assert all(later < earlier for earlier, later in zip(errors, errors[1:]))
+    assert errors[-1] < 1e-10
+
+
+def test_sinkhorn_fails_to_converge_on_ill_conditioned_input():
+    """The paper's example (Sec. 1): entries 1/2, 1 and alpha = 1e-13, so 1/nu ~ 1e13.
+
+    We reproduce the paper's output matrix; its column sums are 1.82, 0.59, 0.59 (the paper's
+    text says 1.92, which does not match its own matrix: 0.91 + 0.91 = 1.82).
+    """
+    alpha = 1e-13
+    matrix = torch.tensor([[0.5, alpha, alpha], [0.5, alpha, alpha], [alpha, 1.0, 1.0]], dtype=torch.float64)
+    h = sinkhorn(matrix.log(), 20)
+    paper = torch.tensor([[0.91, 0.045, 0.045], [0.91, 0.045, 0.045], [0.0, 0.5, 0.5]], dtype=torch.float64)
+    torch.testing.assert_close(h, paper, atol=0.005, rtol=0)
+    torch.testing.assert_close(h.sum(-2), torch.tensor([1.82, 0.59, 0.59], dtype=torch.float64), atol=0.01, rtol=0)
+    assert (h.sum(-1) - 1).abs().max() < 1e-12
+    # With many more iterations it does get there: the failure is slow convergence, not a bug.
+    assert (sinkhorn(matrix.log(), 3000).sum(-2) - 1).abs().max() < 1e-3
+
+
+def test_sinkhorn_dtypes():
+    logits = torch.randn(3, 4, 4)
+    assert sinkhorn(logits.double()).dtype == torch.float64
+    assert sinkhorn(logits).dtype == torch.float32
+    assert sinkhorn(logits.bfloat16()).dtype == torch.float32
+    torch.testing.assert_close(sinkhorn(logits.double()).float(), sinkhorn(logits), rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------
+# Permutation sets (n > 4 with a budget of K permutations)
+
+
+def test_all_permutations_identity_first_and_distinct():
+    for n in range(1, 6):
+        perms = permutations(n)
+        assert perms.shape == (math.factorial(n), n)
+        assert torch.equal(perms[0], torch.arange(n))
+        assert len({tuple(p) for p in perms.tolist()}) == math.factorial(n)
+        P = permutation_matrices(n)
+        assert torch.equal(P.sum(-1), torch.ones(len(P), n)) and torch.equal(P.sum(-2), torch.ones(len(P), n))
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 6, 8])
+@pytest.mark.parametrize("budget", ["1", "n", "2n", "min(n!,64)"])
+@pytest.mark.parametrize("sampling", ["uniform", "cover"])
+def test_permutation_subsets_are_doubly_stochastic(n, budget, sampling):
+    k = {"1": 1, "n": n, "2n": 2 * n, "min(n!,64)": min(math.factorial(n), 64)}[budget]
+    k = min(k, math.factorial(n))
+    if sampling == "cover" and k < n:
+        with pytest.raises(ValueError, match="cover"):
+            permutations(n, k, sampling=sampling)
+        return
+    perms = permutations(n, k, seed=3, sampling=sampling)
+    assert perms.shape == (k, n)
+    assert torch.equal(perms[0], torch.arange(n))
+    assert len({tuple(p) for p in perms.tolist()}) == k
+    assert torch.equal(perms, permutations(n, k, seed=3, sampling=sampling))
+    assert_doubly_stochastic(mhclite_h_res(n=n, c=8, scale=30.0, num_perms=k, perm_sampling=sampling))
+
+
+def test_permutation_subset_depends_on_seed():
+    assert not torch.equal(permutations(8, 32, seed=0), permutations(8, 32, seed=1))
+    assert not torch.equal(permutations(4, 8, seed=0), permutations(4, 8, seed=1))
+
+
+@pytest.mark.parametrize("n", [3, 4, 6, 8])
+def test_cover_sampling_reaches_every_entry(n):
+    """With 'cover', every (i, j) position belongs to some permutation, so all of H_res can be nonzero."""
+    P = permutation_matrices(n, n, seed=0, sampling="cover")
+    assert (P.sum(0) > 0).all()
+    h = mhclite_h_res(n=n, c=8, scale=1.0, num_perms=2 * n, perm_sampling="cover")
+    assert (h > 0).all()
+
+
+def test_uniform_sampling_can_miss_entries():
+    """Why 'cover' exists: n uniform draws reach every position only if they form a Latin square."""
+    reached = [(permutation_matrices(8, 8, seed=s).sum(0) > 0).all().item() for s in range(20)]
+    assert not any(reached)
+
+
+def test_permutation_errors():
+    with pytest.raises(ValueError, match="mhclite_perms"):
+        permutations(6)
+    with pytest.raises(ValueError, match="1..3!"):
+        permutations(3, 7)
+    with pytest.raises(ValueError, match="sampling"):
+        permutations(4, 4, sampling="sobol")
+
+
+def test_full_budget_equals_full_construction():
+    torch.manual_seed(0)
+    full = randomise(ManifoldHyperConnectionLite(8, 4, 0), scale=0.5)
+    budget = ManifoldHyperConnectionLite(8, 4, 0, num_perms=24)
+    budget.load_state_dict(full.state_dict())
+    x = stream_state()
+    assert torch.equal(full(x, branch), budget(x, branch))
+
+
+def test_permutation_set_travels_with_state_dict():
+    trained = ManifoldHyperConnectionLite(8, 6, 0, num_perms=12, perm_seed=5)
+    fresh = ManifoldHyperConnectionLite(8, 6, 0, num_perms=12, perm_seed=99)  # another set
+    assert not torch.equal(trained.perms, fresh.perms)
+    randomise(trained, scale=0.5)
+    fresh.load_state_dict(trained.state_dict())
+    assert torch.equal(fresh.perms, trained.perms)
+    assert torch.equal(fresh.perm_matrices, trained.perm_matrices)
+    x = stream_state(n=6)
+    assert torch.equal(fresh(x, branch), trained(x, branch))
+
+
+# ----------------------------------------------------------------------------------------------
+# Init (paper Sec. 4, "Initialization")
+
+
+def test_mhclite_init_concentrates_on_identity():
+    module = ManifoldHyperConnectionLite(16, 4, 5)
+    with capture_connections() as records:
+        module(stream_state(c=16), branch)
+    weights = records[0]["perm_weights"]
+    expected_identity = 1 / (1 + 23 * math.exp(-8))  # b_res = 0 at the identity, -8 elsewhere
+    torch.testing.assert_close(weights[..., 0], torch.full_like(weights[..., 0], expected_identity), atol=2e-4, rtol=0)
+    assert weights[..., 0].min() > 0.99
+    diagonal = records[0]["h_res"].diagonal(dim1=-2, dim2=-1)
+    assert diagonal.min() > 0.99
+
+
+def test_mhc_init_is_near_identity_and_pre_post_pick_stream_k():
+    wrapper = 6
+    module = ManifoldHyperConnection(16, 4, wrapper)
+    with capture_connections() as records:
+        module(stream_state(c=16), branch)
+    rec = records[0]
+    torch.testing.assert_close(rec["h_res"].diagonal(dim1=-2, dim2=-1), torch.full((2, 5, 4), 0.999), atol=2e-4, rtol=0)
+    k = wrapper % 4
+    expected_pre = torch.full((4,), torch.sigmoid(torch.tensor(-1.0)).item())
+    expected_pre[k] = torch.sigmoid(torch.tensor(1.0)).item()
+    torch.testing.assert_close(rec["h_pre"], expected_pre.expand(2, 5, 4), atol=5e-3, rtol=0)
+    torch.testing.assert_close(rec["h_post"], (2 * expected_pre).expand(2, 5, 4), atol=1e-2, rtol=0)
+    assert module.proj.weight.abs().max() == 0
+    assert module.scale_pre.item() == module.scale_post.item() == module.scale_res.item() == pytest.approx(0.01)
+
+
+def test_hc_init_reads_stream_k_and_is_identity_mixing():
+    module = HyperConnection(16, 4, 7)
+    x = stream_state(c=16)
+    out = module(x, branch)
+    fu = branch(x[..., 3, :])  # wrapper 7 reads stream 7 mod 4 = 3
+    torch.testing.assert_close(out, x + fu.unsqueeze(-2))
+
+
+# ----------------------------------------------------------------------------------------------
+# Interface, capture, recompute
+
+
+@pytest.mark.parametrize("residual", ["hc", "mhc", "mhclite"])
+def test_capture_records_documented_shapes_and_changes_nothing(residual):
+    module = randomise(RESIDUALS[residual](8, 4, 3), scale=0.3)
+    x = stream_state()
+    plain = module(x, branch)
+    with capture_connections() as records:
+        captured = module(x, branch)
+    assert torch.equal(plain, captured)
+    assert len(records) == 1
+    rec = records[0]
+    assert rec["wrapper"] == 3 and rec["residual"] == residual
+    assert rec["h_res"].shape == (2, 5, 4, 4) and rec["h_pre"].shape == rec["h_post"].shape == (2, 5, 4)
+    assert ("logits" in rec) == (residual == "mhc")
+    if residual == "mhc":
+        torch.testing.assert_close(sinkhorn(rec["logits"]), rec["h_res"])
+    with capture_connections() as outside_only:
+        pass
+    module(x, branch)
+    assert outside_only == []
+
+
+@pytest.mark.parametrize("residual", ["hc", "mhc", "mhclite"])
+def test_recompute_gives_same_outputs_and_gradients(residual):
+    plain = randomise(RESIDUALS[residual](8, 4, 1), scale=0.3)
+    recomputed = RESIDUALS[residual](8, 4, 1, recompute=True)
+    recomputed.load_state_dict(plain.state_dict())
+    grads = []
+    for module in (plain, recomputed):
+        x = stream_state().requires_grad_()
+        module(x, branch).square().sum().backward()
+        grads.append([x.grad] + [p.grad for p in module.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_res_rejects_multiple_streams():
+    with pytest.raises(ValueError, match="one stream"):
+        RESIDUALS["res"](8, 4, 0)
