@@ -196,7 +196,7 @@ class StreamConnection(nn.Module):
                                      **{key: value.detach().float() for key, value in coeffs.items()}})
         y = branch(branch_input)
         with torch.autocast(x.device.type, enabled=False):
-            return coeffs["h_res"] @ x + coeffs["h_post"].unsqueeze(-1) * y.unsqueeze(-2)
+            return torch.addcmul(coeffs["h_res"] @ x, coeffs["h_post"].unsqueeze(-1), y.unsqueeze(-2))
 
     def mixing_flops_per_token(self) -> int:
         """Forward FLOPs per token besides the projection (whose weights count in 6N):
@@ -208,10 +208,11 @@ class StreamConnection(nn.Module):
 def _fused_rms_projection(x, gain, weight):
     """RMSNorm(x; gain) @ weight.T over the last dim, as (x @ (gain * weight).T) * rsqrt(mean(x^2)).
 
-    Identical math; the normalised copy of x is never materialised (x is kept anyway).
+    Identical math, but the normalised copy of x is never materialised (x is kept anyway), and
+    the norm is one reduction with a one-pass backward.
     """
-    inv_rms = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + RMS_EPS)
-    return (x @ (weight * gain).t()) * inv_rms
+    mean_square = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() / x.shape[-1]
+    return (x @ (weight * gain).t()) * torch.rsqrt(mean_square + RMS_EPS)
 
 
 class HyperConnection(StreamConnection):

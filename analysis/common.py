@@ -1,0 +1,214 @@
+"""Shared helpers for the analysis scripts: reading run directories and collected npz files,
+grouping runs, moving statistics, display names."""
+import glob
+import json
+import os
+import zipfile
+from dataclasses import dataclass
+
+import numpy as np
+
+VARIANTS = ("res", "hc", "mhc", "mhclite")
+HC_FAMILY = ("hc", "mhc", "mhclite")
+VARIANT_NAMES = {"res": "Residual", "hc": "HC", "mhc": "mHC", "mhclite": "mHC-lite"}
+VARIANT_COLORS = {"res": "tab:gray", "hc": "tab:blue", "mhc": "tab:orange", "mhclite": "tab:green"}
+DATASET_NAMES = {"openwebtext": "OpenWebText", "fineweb_edu": "FineWeb-Edu",
+                 "shakespeare": "Shakespeare", "shakespeare_char": "Shakespeare (char)"}
+SIZE_ORDER = ("tiny", "S", "M", "L")
+TRAIN_KEYS = ("step", "train_loss", "lr", "grad_norm", "tokens_per_s", "step_ms")
+EVAL_KEYS = ("step", "eval_train_loss", "val_loss")
+
+
+class AnalysisError(Exception):
+    """Bad input (missing run, wrong variant, malformed file); the scripts print it as one line."""
+
+
+def dataset_name(dataset):
+    return DATASET_NAMES.get(dataset, dataset)
+
+
+def group_label(group):
+    dataset, size = group
+    return f"{dataset_name(dataset)} {size}"
+
+
+def group_slug(group):
+    """File-name part for a (dataset, size) group, e.g. 'openwebtext-S'."""
+    return f"{group[0]}-{group[1]}"
+
+
+def size_sort_key(size):
+    return (SIZE_ORDER.index(size) if size in SIZE_ORDER else len(SIZE_ORDER), size)
+
+
+def group_sort_key(group):
+    """Paper order: OpenWebText before FineWeb-Edu, then our datasets; sizes tiny, S, M, L."""
+    dataset, size = group
+    datasets = list(DATASET_NAMES)
+    return (datasets.index(dataset) if dataset in datasets else len(datasets), dataset, *size_sort_key(size))
+
+
+@dataclass
+class Run:
+    path: str
+    config: dict
+    train: dict  # TRAIN_KEYS -> float64 array over the logged training steps
+    evals: dict  # EVAL_KEYS -> float64 array over the logged evaluations
+
+    @property
+    def name(self):
+        return os.path.basename(os.path.normpath(self.path))
+
+    @property
+    def residual(self):
+        return self.config["residual"]
+
+    @property
+    def seed(self):
+        return self.config["seed"]
+
+    @property
+    def group(self):
+        return (self.config["dataset"], self.config["size"])
+
+
+def latest_trajectory(records):
+    """After a resume, train.py logs again the steps it had already logged after the last
+    checkpoint; the later records replace everything from that step on."""
+    kept = []
+    for rec in records:
+        while kept and kept[-1]["step"] >= rec["step"]:
+            kept.pop()
+        kept.append(rec)
+    return kept
+
+
+def read_metrics(path):
+    """metrics.jsonl -> (train records, eval records), told apart by key."""
+    with open(path) as f:
+        lines = f.read().split("\n")
+    train, evals = [], []
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            if lineno == len(lines):  # a run killed mid-write leaves a partial last line
+                continue
+            raise AnalysisError(f"{path}:{lineno}: not a JSON object")
+        if not isinstance(rec, dict) or "step" not in rec:
+            raise AnalysisError(f"{path}:{lineno}: expected a JSON object with a 'step' key")
+        if "train_loss" in rec:
+            train.append(rec)
+        elif "val_loss" in rec:
+            evals.append(rec)
+    return latest_trajectory(train), latest_trajectory(evals)
+
+
+def as_arrays(records, keys):
+    # null (e.g. mfu on CPU) and absent values become NaN
+    return {k: np.array([np.nan if r.get(k) is None else r[k] for r in records], dtype=np.float64) for k in keys}
+
+
+def load_run(path):
+    config_path = os.path.join(path, "config.json")
+    metrics_path = os.path.join(path, "metrics.jsonl")
+    for p in (config_path, metrics_path):
+        if not os.path.isfile(p):
+            raise AnalysisError(f"run '{path}' has no {os.path.basename(p)}")
+    try:
+        with open(config_path) as f:
+            config = json.load(f)
+    except json.JSONDecodeError as e:
+        raise AnalysisError(f"{config_path}: not valid JSON ({e.msg})")
+    for key in ("dataset", "size", "residual", "seed"):
+        if key not in config:
+            raise AnalysisError(f"{config_path} lacks the key '{key}'")
+    if config["residual"] not in VARIANTS:
+        raise AnalysisError(f"{config_path}: unknown residual '{config['residual']}'; valid: {', '.join(VARIANTS)}")
+    train, evals = read_metrics(metrics_path)
+    return Run(path, config, as_arrays(train, TRAIN_KEYS), as_arrays(evals, EVAL_KEYS))
+
+
+def is_run_dir(path):
+    return os.path.isdir(path) and any(os.path.exists(os.path.join(path, f)) for f in ("config.json", "metrics.jsonl"))
+
+
+def find_runs(paths, exclude=None):
+    """Loads the run directories among `paths` (as a shell glob like out/* gives them). Other
+    directories (e.g. a report folder next to the runs) are skipped with a note; `exclude` and
+    anything inside it is skipped silently."""
+    if not paths:
+        raise AnalysisError("no run directories given (--runs)")
+    skip_root = os.path.realpath(exclude) if exclude else None
+    runs, cells = [], {}
+    expanded = []
+    for path in paths:  # a quoted glob reaches us unexpanded
+        matches = sorted(glob.glob(path)) if not os.path.exists(path) and glob.has_magic(path) else [path]
+        expanded += matches or [path]
+    for path in dict.fromkeys(expanded):
+        if not os.path.exists(path):
+            raise AnalysisError(f"run directory '{path}' does not exist")
+        real = os.path.realpath(path)
+        if skip_root and (real == skip_root or real.startswith(skip_root + os.sep)):
+            continue
+        if not is_run_dir(path):
+            print(f"note: skipping '{path}': not a run directory (no config.json or metrics.jsonl)")
+            continue
+        run = load_run(path)
+        cell = (*run.group, run.residual, run.seed)
+        if cell in cells:
+            raise AnalysisError(f"runs '{cells[cell]}' and '{path}' are both {cell[0]}/{cell[1]}/{cell[2]} "
+                                f"seed {cell[3]}; pass only one of them")
+        cells[cell] = path
+        runs.append(run)
+    if not runs:
+        raise AnalysisError(f"none of the {len(paths)} paths given is a run directory")
+    return runs
+
+
+def group_runs(runs):
+    """{(dataset, size): {variant: [runs sorted by seed]}}, groups in paper order."""
+    groups = {}
+    for run in runs:
+        groups.setdefault(run.group, {}).setdefault(run.residual, []).append(run)
+    for by_variant in groups.values():
+        for variant_runs in by_variant.values():
+            variant_runs.sort(key=lambda r: r.seed)
+    return {g: groups[g] for g in sorted(groups, key=group_sort_key)}
+
+
+def effective_window(window, n_points):
+    """The moving-average window, shortened to a quarter of the run when the run is short."""
+    return max(1, min(window, n_points // 4))
+
+
+def moving_stats(values, window):
+    """Trailing moving mean and std over full windows: entry i covers values[i : i + window]."""
+    windows = np.lib.stride_tricks.sliding_window_view(np.asarray(values, dtype=np.float64), window)
+    return windows.mean(axis=1), windows.std(axis=1)
+
+
+COLLECT_METADATA = ("residual", "dataset", "size", "run_seed", "n_layer", "n_streams", "step", "num_seqs",
+                    "seq_len", "seed", "checkpoint")
+
+
+def load_collected(path, arrays=("h_res",)):
+    """The metadata (as Python scalars) and the named arrays of a collect.py npz; only those
+    arrays are read, so an L model's file need not fit in memory at once."""
+    if not os.path.isfile(path):
+        raise AnalysisError(f"collected file '{path}' does not exist (run analysis/collect.py first)")
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            missing = [k for k in (*COLLECT_METADATA, "h_res") if k not in npz.files]
+            if missing:
+                raise AnalysisError(f"'{path}' is not a file written by analysis/collect.py (no {missing[0]})")
+            data = {k: npz[k].item() for k in COLLECT_METADATA}
+            for k in arrays:
+                if k not in npz.files:
+                    raise AnalysisError(f"'{path}' ({data['residual']}) has no '{k}' array")
+                data[k] = npz[k]
+    except (OSError, ValueError, zipfile.BadZipFile) as e:
+        raise AnalysisError(f"'{path}' is not a readable npz file ({e})")
+    return data

@@ -1,0 +1,605 @@
+"""Side-by-side speed and memory benchmark of the residual variants (res, hc, mhc, mhclite).
+
+    python bench.py --size tiny --device cpu
+    python bench.py --size S --device cpu --batch_size 4 --block_size 256
+    python bench.py --size M --device cuda --dtype bfloat16 --compile auto --batch_size 16 --block_size 1024 --recompute both
+    python bench.py --size tiny --device cpu --n_sweep 4,6,8 --k_sweep 8,32,128   # mhclite (K perms) vs mhc per n
+    python bench.py --size tiny --device cpu --compile_time --recompute off       # cold-cache compile seconds
+
+Every variant lives in this one process and is measured interleaved: round r runs one training
+step of every variant, in an order rotated by r, so that drifts of the machine (other jobs, clock
+changes) hit all variants alike. A variant's time ratio is the median over rounds of its step time
+divided by the baseline's step time in the same round, which is why ratios stay meaningful on a
+busy machine even when single timings are noisy.
+
+A training step is what train.py does: forward + loss (bf16 autocast under --dtype bfloat16),
+backward, clip_grad_norm_(1.0), AdamW step, zero_grad; on fixed random token batches, every model
+built from the same seed. Columns:
+  ms          median step time after --warmup rounds; IQR the spread between its quartiles
+  tokens/s    batch_size * block_size / median step time
+  MFU         model FLOPs utilisation against the GPU's dense bf16 peak (null on CPU)
+  act MB      bytes of the tensors autograd saves for backward in one eager forward (unique storages,
+              parameters excluded); device-agnostic, and what recompute_connections cuts
+  peak MB     CUDA only: the variant's weights and AdamW state plus the peak extra memory of its step
+              (max_memory_allocated, reset before each of its measured steps)
+  x res       the ratio to res (to mhc with the same n in the n/K sweep)
+Results go to stdout as Markdown and to --json (default
+out/bench/<size>-<device>-<dtype>[-compiled][-sweep].json). docs/benchmarks.md has measured tables.
+"""
+
+import argparse
+import contextlib
+import datetime
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from tqdm import tqdm
+
+from model import GPT, GPTConfig, connection_options, model_shape
+from residuals import RESIDUALS, permutation_matrices, sinkhorn
+from train import PEAK_FLOPS
+
+HC_FAMILY = ("hc", "mhc", "mhclite")
+RECOMPUTE_SUFFIX = "+recompute"
+DEFAULT_BATCH_BLOCK = {"tiny": (8, 128)}  # (batch_size, block_size) by size
+PAPER_BATCH_BLOCK = (16, 1024)  # every other size
+NUM_BATCHES = 4  # distinct random batches, cycled
+COMPILE_PROBE_STEPS = 5  # ordinary compiled steps timed after the first one
+
+
+class BenchError(Exception):
+    """Bad benchmark settings."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Variants and models
+
+
+def main_variants(residuals, recompute, shape, block_size, vocab_size):
+    """{name: GPTConfig} for the side-by-side table; with recompute="both" every HC-family variant
+    also appears as "<name>+recompute"."""
+    configs = {}
+    for residual in residuals:
+        if residual not in HC_FAMILY:
+            settings = [False]
+        else:
+            settings = [False, True] if recompute == "both" else [recompute == "on"]
+        for recompute_connections in settings:
+            name = residual + (RECOMPUTE_SUFFIX if recompute_connections else "")
+            configs[name] = GPTConfig(block_size=block_size, vocab_size=vocab_size, residual=residual,
+                                      recompute_connections=recompute_connections, **shape)
+    return configs
+
+
+def sweep_variants(n_values, k_values, recompute, shape, block_size, vocab_size):
+    """{name: GPTConfig} for the n/K sweep, and {name: baseline name}: mhc with n streams, then
+    mhclite with each K <= n! (plus all n! permutations for n <= 5), each compared to that mhc."""
+    configs, baselines = {}, {}
+    for n in n_values:
+        common = dict(block_size=block_size, vocab_size=vocab_size, n_streams=n,
+                      recompute_connections=recompute == "on", **shape)
+        baseline = f"mhc n={n}"
+        configs[baseline] = GPTConfig(residual="mhc", **common)
+        budgets = [k for k in k_values if k <= math.factorial(n)] + ([None] if n <= 5 else [])
+        if not budgets:
+            raise BenchError(f"no mhclite permutation budget K <= {n}! = {math.factorial(n)} in --k_sweep "
+                             f"{','.join(map(str, k_values))}")
+        for k in dict.fromkeys(None if k == math.factorial(n) else k for k in budgets):  # K = n! is "all"
+            configs[f"mhclite n={n} K={k or math.factorial(n)}"] = GPTConfig(residual="mhclite", mhclite_perms=k,
+                                                                           **common)
+        baselines.update({name: baseline for name in configs if name not in baselines})
+    return configs, baselines
+
+
+def build_models(configs, seed, device):
+    """{name: GPT} on device, every model initialised from the same seed as train.py does."""
+    models = {}
+    for name, config in configs.items():
+        torch.manual_seed(seed)
+        try:
+            models[name] = GPT(config).to(device)
+        except ValueError as e:
+            raise BenchError(f"{name}: {e}") from None
+    return models
+
+
+def random_batches(count, batch_size, block_size, vocab_size, seed, device):
+    """`count` fixed (inputs, targets) pairs of random token ids, targets shifted by one."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(vocab_size, (count, batch_size, block_size + 1), generator=generator)
+    return [(t[:, :-1].contiguous().to(device), t[:, 1:].contiguous().to(device)) for t in tokens]
+
+
+def autocast_context(device, dtype):
+    if dtype == "bfloat16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def make_optimizer(model, device):
+    return model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), device.type)
+
+
+def train_step(model, optimizer, x, y, ctx):
+    """One training step as train.py takes it; `model` may be the compiled wrapper of the model
+    that `optimizer` holds. Returns the loss (detached)."""
+    with ctx:
+        _, loss = model(x, y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ----------------------------------------------------------------------------------------------
+# Measurements
+
+
+def saved_activation_bytes(model, x, y, ctx):
+    """Bytes autograd keeps for backward after one forward: unique storages of the saved tensors,
+    parameters excluded (they exist anyway)."""
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), ctx:
+        model(x, y)
+    return sum(storages.values())
+
+
+def state_bytes(model, optimizer):
+    """Bytes of the weights and the optimizer state that a model keeps between steps."""
+    tensors = list(model.parameters()) + [t for s in optimizer.state.values() for t in s.values()
+                                          if torch.is_tensor(t)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def rotated(names, round_index):
+    shift = round_index % len(names)
+    return names[shift:] + names[:shift]
+
+
+def interleaved_times(steps, rounds, warmup, device, desc, before=None, after=None):
+    """{name: [ms per measured round]}. Round r calls every step function as fn(r), in an order
+    rotated by r; `before(name)` / `after(name)` wrap each measured call outside the timing."""
+    names = list(steps)
+    times = {name: [] for name in names}
+    for r in tqdm(range(rounds), desc=desc, leave=False):
+        for name in rotated(names, r):
+            measured = r >= warmup
+            if measured and before:
+                before(name)
+            synchronize(device)
+            start = time.perf_counter()
+            steps[name](r)
+            synchronize(device)
+            elapsed = time.perf_counter() - start
+            if measured:
+                times[name].append(1000 * elapsed)
+                if after:
+                    after(name)
+    return times
+
+
+def summarise(times, baselines):
+    """Median, IQR and the median per-round time ratio to each variant's baseline."""
+    summary = {}
+    for name, ms in times.items():
+        quartiles = statistics.quantiles(ms, n=4) if len(ms) > 1 else [ms[0]] * 3
+        baseline = baselines.get(name)
+        ratio = (statistics.median(t / b for t, b in zip(ms, times[baseline]))
+                 if baseline in times else None)
+        summary[name] = dict(median_ms=statistics.median(ms), iqr_ms=quartiles[2] - quartiles[0],
+                             time_ratio=ratio, step_ms=ms)
+    return summary
+
+
+def ratio(value, baseline_value):
+    return value / baseline_value if value is not None and baseline_value else None
+
+
+def bench_models(configs, baselines, args, device):
+    """Interleaved training steps of every variant: time, tokens/s, MFU and memory."""
+    models = build_models(configs, args.seed, device)
+    optimizers = {name: make_optimizer(model, device) for name, model in models.items()}
+    runners = {name: torch.compile(model) for name, model in models.items()} if args.use_compile else models
+    batches = random_batches(NUM_BATCHES, args.batch_size, args.block_size, args.vocab_size, args.seed, device)
+    ctx = autocast_context(device, args.dtype)
+
+    def step_of(name):
+        def step(r):
+            x, y = batches[r % len(batches)]
+            train_step(runners[name], optimizers[name], x, y, ctx)
+        return step
+
+    cuda = device.type == "cuda"
+    step_base, step_peak = {}, {name: 0 for name in models}
+
+    def before(name):
+        torch.cuda.reset_peak_memory_stats(device)
+        step_base[name] = torch.cuda.memory_allocated(device)
+
+    def after(name):
+        step_peak[name] = max(step_peak[name], torch.cuda.max_memory_allocated(device) - step_base[name])
+
+    times = interleaved_times({name: step_of(name) for name in models}, args.warmup + args.steps, args.warmup,
+                              device, "train steps", before if cuda else None, after if cuda else None)
+    summary = summarise(times, baselines)
+
+    x, y = batches[0]
+    tokens_per_step = args.batch_size * args.block_size
+    peak = peak_flops(args, device)
+    for name, model in models.items():
+        row = summary[name]
+        config = configs[name]
+        row.update(residual=config.residual, n_streams=config.n_streams, mhclite_perms=config.mhclite_perms,
+                   recompute=config.recompute_connections, params=model.get_num_params(),
+                   tokens_per_s=tokens_per_step / (row["median_ms"] / 1000),
+                   mfu=model.estimate_mfu(tokens_per_step, row["median_ms"] / 1000, peak) if peak else None,
+                   saved_activation_bytes=saved_activation_bytes(model, x, y, ctx),
+                   cuda_peak_bytes=state_bytes(model, optimizers[name]) + step_peak[name] if cuda else None)
+    for name, row in summary.items():
+        base = summary.get(baselines.get(name), {})
+        row["activation_ratio"] = ratio(row["saved_activation_bytes"], base.get("saved_activation_bytes"))
+        row["cuda_peak_ratio"] = ratio(row["cuda_peak_bytes"], base.get("cuda_peak_bytes"))
+    return summary
+
+
+def peak_flops(args, device):
+    """Dense bf16 peak FLOP/s of the GPU for MFU (or --peak_flops); None on CPU or unknown GPUs."""
+    if args.peak_flops is not None:
+        return args.peak_flops
+    if device.type != "cuda" or args.dtype != "bfloat16":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_FLOPS if key in name), None)
+
+
+def half(u):
+    """The cheap stand-in branch of the connection micro-benchmark."""
+    return 0.5 * u
+
+
+def connection_module(config):
+    """The connection module of wrapper 0 of a model built from config."""
+    module = RESIDUALS[config.residual]
+    return module(config.n_embd, config.n_streams, 0, recompute=config.recompute_connections,
+                  **connection_options(config))
+
+
+def connection_step(module, x, grad, ctx):
+    """A step function: the module's forward on x with the cheap branch, and its backward."""
+    inputs = [x, *module.parameters()]
+
+    def step(r):
+        with ctx:
+            y = module(x, half)
+        torch.autograd.grad(y, inputs, grad)
+
+    return step
+
+
+def micro_connections(configs, args, device):
+    """Each variant's connection module alone, forward + backward at the model's (B, T, n, C)."""
+    generator = torch.Generator().manual_seed(args.seed)
+    ctx = autocast_context(device, args.dtype)
+    steps = {}
+    for name, config in configs.items():
+        shape = (args.batch_size, args.block_size, config.n_streams, config.n_embd)
+        x = torch.randn(shape, generator=generator).to(device).requires_grad_()
+        grad = torch.randn(shape, generator=generator).to(device)
+        steps[name] = connection_step(connection_module(config).to(device), x, grad, ctx)
+    times = interleaved_times(steps, args.warmup + args.steps, args.warmup, device, "micro: connections")
+    return summarise(times, {name: "res" for name in configs})
+
+
+def h_res_steps(n, rows, iters, seed, device):
+    """fwd + bwd of mhc's H_res (Sinkhorn on (rows, n, n) logits) and of mhclite's
+    (softmax over (rows, n!) logits, times the stacked permutation matrices)."""
+    generator = torch.Generator().manual_seed(seed)
+    mhc_logits = torch.randn(rows, n, n, generator=generator).to(device).requires_grad_()
+    perms = permutation_matrices(n).flatten(1).to(device)
+    lite_logits = torch.randn(rows, perms.shape[0], generator=generator).to(device).requires_grad_()
+    grad = torch.randn(rows, n, n, generator=generator).to(device)
+
+    def mhc(r):
+        torch.autograd.grad(sinkhorn(mhc_logits, iters), mhc_logits, grad)
+
+    def mhclite(r):
+        h_res = (torch.softmax(lite_logits, dim=-1) @ perms).unflatten(-1, (n, n))
+        torch.autograd.grad(h_res, lite_logits, grad)
+
+    return {"mhc": mhc, "mhclite": mhclite}
+
+
+def count_ops(fn, device):
+    """Kernels launched by fn on CUDA; on CPU the top-level aten ops (those not called by another
+    aten op), forward and backward."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn(0)
+        synchronize(device)
+    events = prof.events()
+    if device.type == "cuda":
+        return sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+
+    def top_level(event):
+        parent = event.cpu_parent
+        while parent is not None:
+            if parent.name.startswith("aten::"):
+                return False
+            parent = parent.cpu_parent
+        return True
+
+    return sum(1 for e in events if e.name.startswith("aten::") and top_level(e))
+
+
+def micro_h_res(args, device, n, iters):
+    steps = h_res_steps(n, args.batch_size * args.block_size, iters, args.seed, device)
+    times = interleaved_times(steps, args.warmup + args.steps, args.warmup, device, "micro: H_res")
+    summary = summarise(times, {"mhc": "mhclite", "mhclite": "mhclite"})
+    for name, fn in steps.items():
+        summary[name]["ops"] = count_ops(fn, device)
+    return summary
+
+
+# ----------------------------------------------------------------------------------------------
+# Compile time: each variant in a fresh process with an empty inductor cache
+
+
+def probe_argv(args, name):
+    return ["--size", args.size, "--batch_size", str(args.batch_size), "--block_size", str(args.block_size),
+            "--device", args.device_type, "--dtype", args.dtype, "--vocab_size", str(args.vocab_size),
+            "--seed", str(args.seed), "--residuals", ",".join(args.residual_list), "--recompute", args.recompute,
+            "--compile_probe", name]
+
+
+def compile_probe(args, configs, device):
+    """First compiled training step minus an ordinary compiled step, in seconds (this process)."""
+    model = build_models({args.compile_probe: configs[args.compile_probe]}, args.seed, device)[args.compile_probe]
+    optimizer = make_optimizer(model, device)
+    compiled = torch.compile(model)
+    batches = random_batches(NUM_BATCHES, args.batch_size, args.block_size, args.vocab_size, args.seed, device)
+    ctx = autocast_context(device, args.dtype)
+    times = []
+    for i in range(1 + COMPILE_PROBE_STEPS):
+        x, y = batches[i % len(batches)]
+        synchronize(device)
+        start = time.perf_counter()
+        train_step(compiled, optimizer, x, y, ctx)
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    step_s = statistics.median(times[1:])
+    return dict(compile_s=times[0] - step_s, first_step_s=times[0], step_ms=1000 * step_s)
+
+
+def compile_times(args, names):
+    results = {}
+    for name in tqdm(names, desc="compile time", leave=False):
+        with tempfile.TemporaryDirectory(prefix="bench-inductor-") as cache:
+            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "triton"))
+            command = [sys.executable, os.path.abspath(__file__), *probe_argv(args, name)]
+            proc = subprocess.run(command, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise BenchError(f"compile-time probe for {name} failed: {last}")
+        results[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return results
+
+
+# ----------------------------------------------------------------------------------------------
+# Output
+
+
+def fmt(value, spec):
+    return "-" if value is None else format(value, spec)
+
+
+def markdown_table(header, rows):
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def model_table(summary, baseline_label, cuda):
+    header = ["variant", "params M", "ms", "IQR ms", "tokens/s", "MFU", f"x {baseline_label}",
+              "act MB", f"act x {baseline_label}"]
+    if cuda:
+        header += ["peak MB", f"peak x {baseline_label}"]
+    rows = []
+    for name, r in summary.items():
+        row = [name, fmt(r["params"] / 1e6, ".2f"), fmt(r["median_ms"], ".1f"), fmt(r["iqr_ms"], ".1f"),
+               fmt(r["tokens_per_s"], ",.0f"), fmt(r["mfu"], ".1%"), fmt(r["time_ratio"], ".3f"),
+               fmt(r["saved_activation_bytes"] / 2**20, ".1f"), fmt(r["activation_ratio"], ".3f")]
+        if cuda:
+            row += [fmt(r["cuda_peak_bytes"] / 2**20, ".0f"), fmt(r["cuda_peak_ratio"], ".3f")]
+        rows.append(row)
+    return markdown_table(header, rows)
+
+
+def connection_table(summary):
+    rows = [[name, fmt(r["median_ms"], ".3f"), fmt(r["iqr_ms"], ".3f"), fmt(r["time_ratio"], ".2f")]
+            for name, r in summary.items()]
+    return markdown_table(["connection alone (fwd+bwd)", "ms", "IQR ms", "x res"], rows)
+
+
+def h_res_table(summary, n, rows_count, iters):
+    rows = [[f"{name}: " + (f"sinkhorn, {iters} iters" if name == "mhc" else f"softmax @ P ({math.factorial(n)} perms)"),
+             fmt(r["median_ms"], ".3f"), fmt(r["iqr_ms"], ".3f"), str(r["ops"]), fmt(r["time_ratio"], ".2f")]
+            for name, r in summary.items()]
+    return markdown_table([f"H_res alone, {rows_count} x n={n} (fwd+bwd)", "ms", "IQR ms", "ops", "x mhclite"], rows)
+
+
+def compile_table(results):
+    rows = [[name, fmt(r["compile_s"], ".1f"), fmt(r["first_step_s"], ".1f"), fmt(r["step_ms"], ".1f")]
+            for name, r in results.items()]
+    return markdown_table(["variant", "compile s", "first step s", "compiled step ms"], rows)
+
+
+def environment(argv, device):
+    name = (torch.cuda.get_device_name(device) if device.type == "cuda"
+            else f"cpu ({platform.machine()}, {torch.backends.cpu.get_cpu_capability()})")
+    return dict(command=shlex.join(["python", "bench.py", *argv]), argv=argv,
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                torch=torch.__version__, python=platform.python_version(), device=device.type, device_name=name,
+                cpu_count=os.cpu_count(), torch_threads=torch.get_num_threads())
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+
+
+def int_list(text):
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got '{text}'")
+    return values
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description="Side-by-side benchmark of res, hc, mhc and mhclite.",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--size", default="tiny", help="tiny, S, M or L")
+    parser.add_argument("--batch_size", type=int, help="default 8 for tiny, 16 otherwise")
+    parser.add_argument("--block_size", type=int, help="default 128 for tiny, 1024 otherwise")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--compile", default="auto", nargs="?", const="on", choices=["auto", "on", "off"],
+                        help="torch.compile every model; auto: on for cuda, off on cpu")
+    parser.add_argument("--compile_time", action="store_true",
+                        help="also measure each variant's cold-cache compile time in a fresh process")
+    parser.add_argument("--steps", type=int, default=20, help="measured rounds")
+    parser.add_argument("--warmup", type=int, default=3, help="unmeasured rounds first")
+    parser.add_argument("--residuals", default="res,hc,mhc,mhclite")
+    parser.add_argument("--recompute", default="both", choices=["both", "on", "off"],
+                        help="recompute_connections for the HC family; both: a row with and without")
+    parser.add_argument("--micro", action=argparse.BooleanOptionalAction, default=True,
+                        help="micro-benchmarks: one connection module, and H_res construction alone")
+    parser.add_argument("--n_sweep", type=int_list, help="stream counts n: mhclite vs mhc per n (e.g. 4,6,8)")
+    parser.add_argument("--k_sweep", type=int_list, default=[8, 32, 128],
+                        help="mhclite permutation budgets K for --n_sweep (K <= n!; all n! added for n <= 5)")
+    parser.add_argument("--vocab_size", type=int, default=50304)
+    parser.add_argument("--peak_flops", type=float, help="peak FLOP/s for MFU (default: by GPU name)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="output path (default out/bench/<size>-<device>-<dtype>[-compiled][-sweep].json)")
+    parser.add_argument("--compile_probe", help=argparse.SUPPRESS)  # internal: one variant's compile time
+    return parser.parse_args(argv)
+
+
+def resolve(args):
+    """Checks the settings and fills in the derived ones (or raises BenchError)."""
+    try:
+        args.shape = model_shape(args.size)
+    except ValueError as e:
+        raise BenchError(str(e)) from None
+    default_batch, default_block = DEFAULT_BATCH_BLOCK.get(args.size, PAPER_BATCH_BLOCK)
+    args.batch_size = default_batch if args.batch_size is None else args.batch_size
+    args.block_size = default_block if args.block_size is None else args.block_size
+    for key in ("batch_size", "block_size", "steps", "vocab_size"):
+        if getattr(args, key) < 1:
+            raise BenchError(f"--{key} must be >= 1, got {getattr(args, key)}")
+    if args.warmup < 0:
+        raise BenchError(f"--warmup must be >= 0, got {args.warmup}")
+    args.residual_list = list(dict.fromkeys(r.strip() for r in args.residuals.split(",") if r.strip()))
+    for residual in args.residual_list:
+        if residual not in RESIDUALS:
+            raise BenchError(f"unknown residual '{residual}'; valid: {', '.join(RESIDUALS)}")
+    if not args.residual_list:
+        raise BenchError(f"--residuals is empty; valid: {', '.join(RESIDUALS)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise BenchError("--device cuda but no CUDA device is available")
+    args.device_type = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.device_type == "cuda" and args.dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
+        raise BenchError("this GPU does not support bfloat16; use --dtype float32")
+    args.use_compile = args.compile == "on" or (args.compile == "auto" and args.device_type == "cuda")
+    if args.n_sweep and args.compile_time:
+        raise BenchError("--compile_time measures the --residuals variants; run it without --n_sweep")
+    if args.json is None:
+        suffix = ("-compiled" if args.use_compile else "") + ("-sweep" if args.n_sweep else "")
+        args.json = os.path.join("out", "bench", f"{args.size}-{args.device_type}-{args.dtype}{suffix}.json")
+    return args
+
+
+def run(args, argv):
+    device = torch.device(args.device_type)
+    common = dict(shape=args.shape, block_size=args.block_size, vocab_size=args.vocab_size)
+    if args.compile_probe:
+        configs = main_variants(args.residual_list, args.recompute, **common)
+        if args.compile_probe not in configs:
+            raise BenchError(f"unknown variant '{args.compile_probe}'; valid: {', '.join(configs)}")
+        print(json.dumps(compile_probe(args, configs, device)))
+        return
+    result = environment(argv, device)
+    result["settings"] = dict(size=args.size, **args.shape, batch_size=args.batch_size, block_size=args.block_size,
+                              tokens_per_step=args.batch_size * args.block_size, dtype=args.dtype,
+                              compile=args.use_compile, steps=args.steps, warmup=args.warmup,
+                              recompute=args.recompute, vocab_size=args.vocab_size, seed=args.seed,
+                              peak_flops=peak_flops(args, device))
+    title = (f"{args.size} ({args.shape['n_layer']}L, {args.shape['n_embd']}d), batch {args.batch_size} x "
+             f"{args.block_size}, {args.dtype}, {'compiled' if args.use_compile else 'eager'}, "
+             f"{result['device_name']}, torch {torch.__version__}, {args.steps} rounds after {args.warmup} warm-up")
+    cuda = device.type == "cuda"
+    if args.n_sweep:
+        configs, baselines = sweep_variants(args.n_sweep, args.k_sweep, args.recompute, **common)
+        result["mode"], result["baseline"] = "n_sweep", "mhc with the same n"
+        result["variants"] = bench_models(configs, baselines, args, device)
+        print(f"## n/K sweep: mhclite vs mhc, {title}\n\n{model_table(result['variants'], 'mhc', cuda)}\n")
+    else:
+        configs = main_variants(args.residual_list, args.recompute, **common)
+        result["mode"], result["baseline"] = "variants", "res"
+        result["variants"] = bench_models(configs, {name: "res" for name in configs}, args, device)
+        print(f"## Training step, {title}\n\n{model_table(result['variants'], 'res', cuda)}\n")
+        if args.micro:
+            result["micro"] = {"connections": micro_connections(configs, args, device)}
+            print(f"## Micro: one connection module, branch 0.5*u\n\n{connection_table(result['micro']['connections'])}\n")
+            n, iters = GPTConfig.n_streams, GPTConfig.sinkhorn_iters
+            h_res = micro_h_res(args, device, n, iters)
+            result["micro"]["h_res"] = dict(n_streams=n, rows=args.batch_size * args.block_size, sinkhorn_iters=iters,
+                                            **h_res, mhc_over_mhclite_time=h_res["mhc"]["time_ratio"],
+                                            mhc_over_mhclite_ops=h_res["mhc"]["ops"] / h_res["mhclite"]["ops"])
+            print(f"## Micro: H_res construction\n\n{h_res_table(h_res, n, args.batch_size * args.block_size, iters)}\n")
+        if args.compile_time:
+            result["compile_time"] = compile_times(args, list(configs))
+            print(f"## Cold-cache compile time (fresh process and inductor cache per variant)\n\n"
+                  f"{compile_table(result['compile_time'])}\n")
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {args.json}")
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    try:
+        run(resolve(args), argv)
+    except BenchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

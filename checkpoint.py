@@ -1,0 +1,92 @@
+"""Checkpoints: atomic save, load with one-line errors, and model loading for analysis.
+
+A checkpoint written by train.py is a dict with keys model (state dict without `_orig_mod.`),
+model_args (GPTConfig as a dict), config (TrainConfig as a dict), optimizer, step,
+best_val_loss, rng (one entry of RNG states per rank) and data_state (the state of the
+training-batch generator). It holds only tensors and plain Python values, so it loads with
+torch.load(weights_only=True) and never runs pickled code.
+"""
+
+import os
+import tempfile
+
+import torch
+
+from model import GPT, GPTConfig
+
+REQUIRED_KEYS = ("model", "model_args", "config", "step")
+# Config keys that decide what a run is; resuming with another value would train a different model.
+RUN_IDENTITY_KEYS = ("residual", "size", "n_streams")
+
+
+class CheckpointError(Exception):
+    """A missing, truncated, corrupt or incompatible checkpoint, as one line."""
+
+
+def save_checkpoint(path, obj):
+    """Write obj with torch.save to a temporary file in the same directory, fsync it, then rename
+    it over `path`: a crash at any moment leaves either the old file or the new one, whole."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp_path = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_path, path)
+    except BaseException:
+        os.unlink(tmp_path)
+        raise
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # make the rename itself durable
+    finally:
+        os.close(dir_fd)
+
+
+def load_checkpoint(path):
+    """Load a train.py checkpoint onto the CPU; raises CheckpointError with one line."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint not found: {path}")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises many types for damaged files; all mean the same here
+        reason = str(e).strip().split(". ")[0].splitlines()[0][:120] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path} is truncated, corrupt or not a checkpoint ({reason})") from None
+    missing = [k for k in REQUIRED_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
+    if missing:
+        raise CheckpointError(f"{path} is not a train.py checkpoint (missing {', '.join(missing)})")
+    return ckpt
+
+
+def check_same_run(ckpt, config, path):
+    """Refuse to resume a checkpoint of another residual / size / n_streams (or any other model
+    shape): name both sides."""
+    saved = ckpt["config"]
+    differ = [k for k in RUN_IDENTITY_KEYS if saved.get(k) != config.get(k)]
+    if differ:
+        theirs = " ".join(f"{k}={saved.get(k)}" for k in RUN_IDENTITY_KEYS)
+        ours = " ".join(f"{k}={config.get(k)}" for k in RUN_IDENTITY_KEYS)
+        raise CheckpointError(f"{path} was trained with {theirs}, but this run asks for {ours}")
+
+
+def check_same_model(ckpt, model_args, path):
+    saved = ckpt["model_args"]
+    differ = sorted(k for k in set(saved) | set(model_args) if saved.get(k) != model_args.get(k))
+    if differ:
+        pairs = ", ".join(f"{k}: checkpoint {saved.get(k)!r} vs run {model_args.get(k)!r}" for k in differ)
+        raise CheckpointError(f"{path} holds a different model ({pairs})")
+
+
+def load_model(path, device="cpu"):
+    """(GPT in eval mode with the checkpoint's weights, checkpoint dict)."""
+    ckpt = load_checkpoint(path)
+    try:
+        model = GPT(GPTConfig(**ckpt["model_args"]))
+        model.load_state_dict(ckpt["model"])
+    except (TypeError, ValueError, RuntimeError) as e:
+        reason = str(e).strip().splitlines()[0]
+        raise CheckpointError(f"{path}: cannot build the model from it ({reason})") from None
+    model.to(device)
+    model.eval()
+    return model, ckpt

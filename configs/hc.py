@@ -1,0 +1,3 @@
+"""Hyper-Connections (dynamic, tanh) with 4 streams."""
+residual = "hc"
+n_streams = 4

@@ -1,0 +1,2 @@
+"""Plain residual connection (nanoGPT); one stream."""
+residual = "res"

@@ -1,0 +1,351 @@
+"""Analysis scripts on tiny real training runs: the numbers they print and plot are recomputed
+here from metrics.jsonl, the collected npz files and the checkpoints."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from analysis import collect, colsum_box, grad_norm, loss_table, nu_hist, report, throughput
+from analysis.common import find_runs, read_metrics
+from checkpoint import load_model
+from residuals import capture_connections
+
+REPO = Path(__file__).resolve().parents[1]
+VARIANTS = ("res", "hc", "mhc", "mhclite")
+DATASET, VOCAB = "toy_char", 32
+N_LAYER, N_STREAMS, STEPS, BLOCK = 3, 4, 30, 32
+NUM_SEQS, SEQ_LEN = 5, 32
+
+
+def write_char_dataset(data_dir):
+    """A small char-level corpus in nanoGPT format (no end-of-text tokens)."""
+    folder = data_dir / DATASET
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    splits = {"train": rng.integers(0, VOCAB, 20000), "val": rng.integers(0, VOCAB, 4000)}
+    for split, ids in splits.items():
+        ids.astype(np.uint16).tofile(folder / f"{split}.bin")
+    meta = dict(dataset=DATASET, tokenizer="char", vocab_size=VOCAB, train_tokens=20000, val_tokens=4000,
+                dtype="uint16", source="test", split_seed=0, val_fraction=0.2,
+                itos=[chr(ord("a") + i) for i in range(VOCAB)])
+    (folder / "meta.json").write_text(json.dumps(meta))
+
+
+def train_run(data_dir, out_dir, residual, seed=1):
+    cmd = [sys.executable, "train.py", "configs/tiny.py", f"--dataset={DATASET}", f"--data_dir={data_dir}",
+           f"--residual={residual}", f"--out_dir={out_dir}", f"--seed={seed}", "--device=cpu", "--dtype=float32",
+           "--compile=False", f"--block_size={BLOCK}", "--batch_size=4", "--gradient_accumulation_steps=1",
+           f"--max_iters={STEPS}", "--warmup_iters=5", "--eval_interval=10", "--eval_iters=2", "--log_interval=1",
+           f"--n_layer={N_LAYER}", "--n_head=2", "--n_embd=64"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # no thread oversubscription on busy cores
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory):
+    """{variant: run directory} of four 30-step tiny runs on the same data."""
+    root = tmp_path_factory.mktemp("analysis_runs")
+    write_char_dataset(root / "data")
+    dirs = {v: root / "runs" / f"{DATASET}-tiny-{v}-s1" for v in VARIANTS}
+    for variant, out_dir in dirs.items():
+        train_run(root / "data", out_dir, variant)
+    return dirs
+
+
+@pytest.fixture(scope="session")
+def collected(runs, tmp_path_factory):
+    """{variant: npz path} for the HC family; batch size 2 does not divide 5 sequences."""
+    out = tmp_path_factory.mktemp("collected")
+    paths = {}
+    for variant in ("hc", "mhc", "mhclite"):
+        paths[variant] = out / f"{variant}.npz"
+        collect.main(["--ckpt", str(runs[variant] / "ckpt.pt"), "--out", str(paths[variant]),
+                      "--num_seqs", str(NUM_SEQS), "--seq_len", str(SEQ_LEN), "--batch_size", "2"])
+    return paths
+
+
+def logged(run_dir):
+    """Train losses, grad norms, tokens/s and val losses straight from metrics.jsonl."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "train_loss" in r]
+    return {"train_loss": [r["train_loss"] for r in train], "grad_norm": [r["grad_norm"] for r in train],
+            "tokens_per_s": [r["tokens_per_s"] for r in train],
+            "val_loss": [r["val_loss"] for r in records if "val_loss" in r]}
+
+
+def markdown_rows(text):
+    """{row name: [cells]} of the first Markdown table in text."""
+    rows, seen_header = {}, False
+    for line in text.splitlines():
+        if line.startswith("|---"):
+            seen_header = True
+        elif line.startswith("| ") and seen_header:
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            rows[cells[0]] = cells[1:]
+        elif rows:
+            break
+    return rows
+
+
+def one_error_line(capsys, excinfo):
+    assert excinfo.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    return err
+
+
+# ---------------------------------------------------------------------------------------------
+# Loss table
+
+
+def test_loss_table_values_are_recomputed_from_metrics(runs, tmp_path, capsys):
+    out = tmp_path / "table"
+    loss_table.main(["--runs", *map(str, runs.values()), "--out", str(out), "--last", "10"])
+    markdown = (out / "loss_table.md").read_text()
+    rows = markdown_rows(markdown)
+    expected = {}
+    for variant, name in zip(VARIANTS, ("Residual", "HC", "mHC", "mHC-lite")):
+        log = logged(runs[variant])
+        assert len(log["train_loss"]) == STEPS
+        expected[name] = (np.mean(log["train_loss"][-10:]), log["val_loss"][-1])
+        assert [c.strip("*") for c in rows[name]] == [f"{expected[name][0]:.3f}", f"{expected[name][1]:.3f}"]
+    for column in range(2):
+        best = min(round(v[column], 3) for v in expected.values())
+        for name, cells in rows.items():
+            assert cells[column].startswith("**") == (round(expected[name][column], 3) == best)
+    tex = (out / "loss_table.tex").read_text()
+    assert r"\toprule" in tex and r"\midrule" in tex and r"\bottomrule" in tex
+    assert f"{expected['mHC-lite'][0]:.3f}" in tex.split("mHC-lite &")[1]
+    assert "loss_table.md" in capsys.readouterr().out
+
+
+def test_loss_table_default_averages_last_200_and_blanks_missing(runs, tmp_path):
+    # A 250-step mhc log: the default mean covers exactly the last 200 steps.
+    synthetic = tmp_path / "long-mhc"
+    synthetic.mkdir()
+    config = json.loads((runs["mhc"] / "config.json").read_text())
+    (synthetic / "config.json").write_text(json.dumps({**config, "seed": 7}))
+    losses = np.linspace(5.0, 2.0, 250)
+    lines = [json.dumps(dict(step=s + 1, train_loss=float(x), lr=1e-3, grad_norm=1.0, tokens_per_s=1.0,
+                             step_ms=1.0, mfu=None)) for s, x in enumerate(losses)]
+    (synthetic / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    table = loss_table.build_table(find_runs([str(runs["mhc"]), str(synthetic), str(runs["res"])]))
+    group = (DATASET, "tiny")
+    real = np.mean(logged(runs["mhc"])["train_loss"])
+    assert table["cells"][("mhc", *group, "train")] == pytest.approx([real, np.mean(losses[-200:])])
+    assert table["cells"][("mhc", *group, "val")] == pytest.approx([logged(runs["mhc"])["val_loss"][-1]])
+    rows = markdown_rows(loss_table.to_markdown(table))
+    mean, std = np.mean([real, losses[-200:].mean()]), np.std([real, losses[-200:].mean()], ddof=1)
+    assert rows["mHC"][0].strip("*") == f"{mean:.3f} ± {std:.3f}"
+    assert rows["HC"] == ["", ""] and rows["mHC-lite"] == ["", ""]
+    # The paper's fixed layout: columns in the given order, blank where no run exists.
+    fixed = loss_table.build_table(find_runs([str(runs["res"])]), datasets=["openwebtext", DATASET], sizes=["S", "tiny"])
+    assert fixed["columns"] == [("openwebtext", "S"), ("openwebtext", "tiny"), (DATASET, "S"), (DATASET, "tiny")]
+    residual = markdown_rows(loss_table.to_markdown(fixed))["Residual"]
+    assert residual[:6] == [""] * 6 and residual[6] == f"**{np.mean(logged(runs['res'])['train_loss']):.3f}**"
+    assert loss_table.to_latex(fixed).count(r"\multicolumn{4}{c}") == 2
+
+
+def test_metrics_after_resume_keep_the_latest_trajectory(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    steps = [1, 2, 3, 4, 3, 4, 5]  # resumed from a step-2 checkpoint after logging 3 and 4
+    lines = [json.dumps(dict(step=s, train_loss=float(i), grad_norm=1.0)) for i, s in enumerate(steps)]
+    path.write_text("\n".join(lines) + "\n" + '{"step": 6, "train_lo')  # cut short by a crash
+    train, _ = read_metrics(str(path))
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5]
+    assert [r["train_loss"] for r in train] == [0.0, 1.0, 4.0, 5.0, 6.0]
+
+
+def test_missing_or_duplicate_runs_give_one_line(runs, tmp_path, capsys):
+    with pytest.raises(SystemExit) as excinfo:
+        loss_table.main(["--runs", str(tmp_path / "nope"), "--out", str(tmp_path / "o")])
+    assert "does not exist" in one_error_line(capsys, excinfo)
+    copy = tmp_path / "copy"
+    shutil.copytree(runs["hc"], copy)
+    with pytest.raises(SystemExit) as excinfo:
+        loss_table.main(["--runs", str(runs["hc"]), str(copy), "--out", str(tmp_path / "o")])
+    assert "pass only one" in one_error_line(capsys, excinfo)
+    (copy / "metrics.jsonl").write_text('{"step": 1}\nnot json\n{"step": 2}\n')
+    with pytest.raises(SystemExit) as excinfo:
+        loss_table.main(["--runs", str(copy), "--out", str(tmp_path / "o")])
+    assert "metrics.jsonl:2" in one_error_line(capsys, excinfo)
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradient norm and throughput
+
+
+def test_grad_norm_curves_use_a_shortened_window(runs, tmp_path, capsys):
+    out = tmp_path / "grad"
+    grad_norm.main(["--runs", *map(str, runs.values()), "--out", str(out)])
+    png = out / f"grad_norm_{DATASET}-tiny.png"
+    assert png.stat().st_size > 10_000
+    window = STEPS // 4
+    assert f"window 200 -> {window}" in capsys.readouterr().out
+    curves = grad_norm.smoothed_curves({"mhclite": find_runs([str(runs["mhclite"])])}, window)
+    (_, steps, mean, std), = curves["mhclite"]
+    norms = np.array(logged(runs["mhclite"])["grad_norm"])
+    assert len(mean) == STEPS - window + 1 and steps[0] == window
+    assert mean[3] == pytest.approx(norms[3:3 + window].mean())
+    assert std[-1] == pytest.approx(norms[-window:].std())
+
+
+def test_throughput_is_the_mean_after_warmup(runs, tmp_path, capsys):
+    out = tmp_path / "tp"
+    throughput.main(["--runs", *map(str, runs.values()), "--out", str(out), "--skip", "5"])
+    assert (out / f"throughput_{DATASET}-tiny.png").stat().st_size > 5_000
+    [(_, _, stats, _)] = throughput.plot_throughputs(find_runs([str(p) for p in runs.values()]), str(out), skip=5)
+    for variant in VARIANTS:
+        assert stats[variant]["mean"] == pytest.approx(np.mean(logged(runs[variant])["tokens_per_s"][5:]))
+        assert stats[variant]["steps"] == STEPS - 5
+    assert stats["res"]["ratio_to_res"] == 1.0
+    assert stats["mhc"]["ratio_to_res"] == pytest.approx(stats["mhc"]["mean"] / stats["res"]["mean"])
+    assert "of res" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------
+# Collecting connection matrices
+
+
+def test_collect_shapes_and_token_order(runs, collected):
+    wrappers, tokens = 2 * N_LAYER, NUM_SEQS * SEQ_LEN
+    for variant, path in collected.items():
+        data = np.load(path)
+        assert data["h_res"].shape == (wrappers, tokens, N_STREAMS, N_STREAMS)
+        assert data["h_pre"].shape == data["h_post"].shape == (wrappers, tokens, N_STREAMS)
+        assert ("logits" in data.files) == (variant == "mhc")
+        assert data["h_res"].dtype == np.float32
+        assert str(data["residual"]) == variant and int(data["n_layer"]) == N_LAYER
+        assert int(data["step"]) == STEPS and list(data["wrapper"]) == list(range(wrappers))
+        assert list(data["token_index"]) == list(range(tokens))
+    # Sequence 3 through the model directly: the same matrices at tokens 3*T .. 4*T.
+    model, _ = load_model(str(runs["mhc"] / "ckpt.pt"))
+    train = np.fromfile(runs["mhc"].parent.parent / "data" / DATASET / "train.bin", dtype=np.uint16)
+    sequence = torch.from_numpy(train[3 * SEQ_LEN: 4 * SEQ_LEN].astype(np.int64))[None]
+    with torch.no_grad(), capture_connections() as records:
+        model(sequence)
+    data = np.load(collected["mhc"])
+    for w, record in enumerate(records):
+        np.testing.assert_allclose(data["h_res"][w, 3 * SEQ_LEN: 4 * SEQ_LEN], record["h_res"][0].numpy(), atol=1e-6)
+        np.testing.assert_allclose(data["logits"][w, 3 * SEQ_LEN: 4 * SEQ_LEN], record["logits"][0].numpy(),
+                                   atol=1e-5)
+
+
+def test_collect_max_tokens_is_a_seeded_subsample(runs, collected, tmp_path):
+    paths = [tmp_path / f"sub{i}.npz" for i in range(2)]
+    for path in paths:
+        collect.collect(str(runs["hc"] / "ckpt.pt"), str(path), NUM_SEQS, SEQ_LEN, batch_size=3, max_tokens=50, seed=4)
+    first, second, full = np.load(paths[0]), np.load(paths[1]), np.load(collected["hc"])
+    index = first["token_index"]
+    assert len(index) == 50 and np.all(np.diff(index) > 0)
+    np.testing.assert_array_equal(index, second["token_index"])
+    np.testing.assert_allclose(first["h_res"], full["h_res"][:, index], atol=1e-6)
+
+
+def test_collect_errors_are_one_line(runs, tmp_path, capsys):
+    base = ["--out", str(tmp_path / "x.npz"), "--num_seqs", "2", "--seq_len", str(SEQ_LEN)]
+    cases = [
+        (["--ckpt", str(runs["res"] / "ckpt.pt")], "res has no H_res"),
+        (["--ckpt", str(tmp_path / "missing.pt")], "not found"),
+        (["--ckpt", str(runs["hc"] / "ckpt.pt"), "--seq_len", "999"], "block_size"),
+        (["--ckpt", str(runs["hc"] / "ckpt.pt"), "--num_seqs", "100000"], "fewer than"),
+    ]
+    for args, message in cases:
+        with pytest.raises(SystemExit) as excinfo:
+            collect.main(base + args)  # later flags win
+        assert message in one_error_line(capsys, excinfo)
+    assert not (tmp_path / "x.npz").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# log(1/nu) and column sums
+
+
+def test_nu_hist_is_max_minus_min_of_the_logits(collected, tmp_path, capsys):
+    out = tmp_path / "nu"
+    nu_hist.main(["--npz", str(collected["mhc"]), "--out", str(out)])
+    assert (out / "nu_hist.png").stat().st_size > 10_000
+    logits = np.load(collected["mhc"])["logits"].astype(np.float64)
+    expected = (logits.max(axis=(-2, -1)) - logits.min(axis=(-2, -1))).ravel()
+    stats = nu_hist.nu_stats(str(collected["mhc"]), threshold=12.0)
+    np.testing.assert_allclose(stats["values"], expected, rtol=0, atol=1e-12)
+    assert stats["fraction_above"] == pytest.approx(np.mean(expected > 12.0))
+    printed = capsys.readouterr().out
+    assert f"{100 * np.mean(expected > 30):.2f}% of {expected.size} Sinkhorn inputs" in printed
+    with pytest.raises(SystemExit) as excinfo:
+        nu_hist.main(["--npz", str(collected["mhclite"]), "--out", str(out)])
+    assert "only mhc" in one_error_line(capsys, excinfo)
+    truncated = tmp_path / "truncated.npz"
+    truncated.write_bytes(collected["mhc"].read_bytes()[:1000])
+    with pytest.raises(SystemExit) as excinfo:
+        colsum_box.main(["--npz", str(truncated), "--out", str(out)])
+    assert "not a readable npz" in one_error_line(capsys, excinfo)
+
+
+def test_colsums_per_matrix_and_product(collected, tmp_path, capsys):
+    out = tmp_path / "cs"
+    colsum_box.main(["--npz", *map(str, collected.values()), "--out", str(out)])
+    assert (out / f"colsum_{DATASET}-tiny.png").stat().st_size > 10_000
+    printed = capsys.readouterr().out
+    stats = {v: colsum_box.sum_stats(str(p)) for v, p in collected.items()}
+    lite = stats["mhclite"]
+    for panel in ("per_matrix", "product"):
+        assert np.abs(lite["colsums"][panel] - 1).max() < 1e-5
+        assert lite["max_dev"][panel]["col"] < 1e-5 and lite["max_dev"][panel]["row"] < 1e-5
+    assert stats["mhc"]["max_dev"]["per_matrix"]["row"] < 1e-5  # Sinkhorn ends on rows
+    for variant, path in collected.items():
+        h_res = np.load(path)["h_res"].astype(np.float64)
+        product = h_res[0]
+        for h in h_res[1:]:
+            product = h @ product  # x_out = H_{W-1} ... H_0 x_in
+        np.testing.assert_allclose(stats[variant]["colsums"]["product"], product.sum(axis=-2).ravel(), atol=1e-12)
+        assert stats[variant]["max_dev"]["product"]["col"] == pytest.approx(np.abs(product.sum(axis=-2) - 1).max())
+        assert stats[variant]["max_dev"]["per_matrix"]["row"] == pytest.approx(np.abs(h_res.sum(axis=-1) - 1).max())
+        assert f"{stats[variant]['max_dev']['product']['col']:.3e}" in printed
+
+
+# ---------------------------------------------------------------------------------------------
+# The report and the two ways of running a script
+
+
+@pytest.mark.slow
+def test_report_embeds_every_figure_and_the_table(runs, tmp_path, capsys):
+    out, other = tmp_path / "report", tmp_path / "notes"
+    out.mkdir()  # the report folder among the runs (out/demo/* on a second call) is ignored
+    other.mkdir()  # any other folder that is not a run is skipped with a note
+    report.main(["--runs", *map(str, runs.values()), str(out), str(other), "--out", str(out), "--num_seqs", "2",
+                 "--batch_size", "2"])
+    printed = capsys.readouterr().out
+    assert f"skipping '{other}'" in printed and f"skipping '{out}'" not in printed
+    text = (out / "report.md").read_text()
+    figures = sorted(p.name for p in out.glob("*.png"))
+    assert len(figures) == 4  # grad norm, throughput, nu_hist, colsum of the one group
+    linked = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
+    assert sorted(linked) == figures
+    table = (out / "loss_table.md").read_text().split("\n\n")[0]
+    assert table in text
+    assert sorted(p.name for p in (out / "collect").glob("*.npz")) == [f"{DATASET}-tiny-{v}-s1.npz"
+                                                                        for v in ("hc", "mhc", "mhclite")]
+    assert "Sinkhorn inputs have log(1/nu)" in text and "max|colsum-1|" in text
+    assert f"wrote {out / 'report.md'}" in printed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", [["analysis/loss_table.py"], ["-m", "analysis.loss_table"]])
+def test_scripts_run_as_file_and_as_module(runs, tmp_path, form):
+    result = subprocess.run([sys.executable, *form, "--runs", str(runs["res"]), "--out", str(tmp_path)],
+                            cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "loss_table.tex").exists()
+    result = subprocess.run([sys.executable, *form, "--runs", str(tmp_path / "nope")], cwd=REPO,
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and result.stderr.startswith("error: ") and result.stderr.count("\n") == 1

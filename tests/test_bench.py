@@ -1,0 +1,156 @@
+"""bench.py measures the models train.py trains, and its pieces do what their columns claim.
+Nothing here is timed."""
+import contextlib
+import json
+
+import pytest
+import torch
+
+import bench
+from model import GPT, GPTConfig, model_shape
+
+BLOCK, VOCAB, SEED = 16, 96, 3
+DEVICE = torch.device("cpu")
+SMALL_FLAGS = ["--size", "tiny", "--device", "cpu", "--batch_size", "2", "--block_size", str(BLOCK),
+               "--vocab_size", str(VOCAB), "--steps", "2", "--warmup", "1", "--seed", str(SEED)]
+
+
+def variants(recompute="both", residuals=("res", "hc", "mhc", "mhclite")):
+    return bench.main_variants(list(residuals), recompute, model_shape("tiny"), BLOCK, VOCAB)
+
+
+def batch():
+    return bench.random_batches(1, 2, BLOCK, VOCAB, SEED, DEVICE)[0]
+
+
+def test_bench_models_compute_the_plain_gpt_loss():
+    x, y = batch()
+    assert x.shape == y.shape == (2, BLOCK) and torch.equal(x[:, 1:], y[:, :-1])
+    models = bench.build_models(variants(), SEED, DEVICE)
+    assert list(models) == ["res", "hc", "hc+recompute", "mhc", "mhc+recompute", "mhclite", "mhclite+recompute"]
+    for name, model in models.items():
+        torch.manual_seed(SEED)
+        plain = GPT(GPTConfig(block_size=BLOCK, vocab_size=VOCAB, residual=name.split("+")[0], **model_shape("tiny")))
+        _, expected = plain(x, y)
+        _, loss = model(x, y)
+        torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_recompute_rows_recompute_and_keep_the_gradients():
+    x, y = batch()
+    models = bench.build_models(variants(residuals=("hc", "mhc", "mhclite")), SEED, DEVICE)
+    for residual in ("hc", "mhc", "mhclite"):
+        plain, recomputed = models[residual], models[residual + "+recompute"]
+        assert all(m.recompute for m in recomputed.connections())
+        assert not any(m.recompute for m in plain.connections())
+        for model in (plain, recomputed):
+            # a step moves the zero-initialised connection weights so their gradients matter too
+            optimizer = bench.make_optimizer(model, DEVICE)
+            bench.train_step(model, optimizer, x, y, contextlib.nullcontext())
+            model(x, y)[1].backward()
+        grads = [{n: p.grad for n, p in m.named_parameters()} for m in (plain, recomputed)]
+        assert grads[0].keys() == grads[1].keys()
+        for name in grads[0]:
+            torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-6, msg=f"{residual} {name}")
+
+
+def test_saved_activations_shrink_with_recompute():
+    x, y = batch()
+    models = bench.build_models(variants(residuals=("res", "mhc")), SEED, DEVICE)
+    saved = {name: bench.saved_activation_bytes(model, x, y, contextlib.nullcontext()) for name, model in models.items()}
+    assert 0 < saved["res"] < saved["mhc"]
+    assert saved["mhc+recompute"] < saved["mhc"]
+
+
+def test_saved_activations_exclude_parameters_and_count_shared_storage_once():
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 8, bias=False)
+
+        def forward(self, x, y):
+            h = self.linear(x)  # saves x and the weight (a parameter: not counted)
+            return h * h  # saves h twice: one storage
+
+    x = torch.randn(4, 8, requires_grad=True)
+    expected = 2 * x.numel() * x.element_size()  # x and h
+    assert bench.saved_activation_bytes(Model(), x, None, contextlib.nullcontext()) == expected
+
+
+def test_sinkhorn_launches_more_ops_than_mhclite():
+    steps = bench.h_res_steps(4, 32, 20, SEED, DEVICE)
+    ops = {name: bench.count_ops(fn, DEVICE) for name, fn in steps.items()}
+    assert 0 < ops["mhclite"] < ops["mhc"]
+    assert ops["mhc"] >= 4 * 20  # per iteration at least two logsumexps and two subtractions
+
+
+def test_interleaving_rotates_the_order_every_round():
+    calls = []
+    steps = {name: (lambda r, name=name: calls.append((r, name))) for name in "abc"}
+    times = bench.interleaved_times(steps, 4, 1, DEVICE, None)
+    assert calls == [(0, "a"), (0, "b"), (0, "c"), (1, "b"), (1, "c"), (1, "a"),
+                     (2, "c"), (2, "a"), (2, "b"), (3, "a"), (3, "b"), (3, "c")]
+    assert {name: len(ms) for name, ms in times.items()} == {"a": 3, "b": 3, "c": 3}
+
+
+def test_ratios_are_medians_of_per_round_ratios():
+    summary = bench.summarise({"res": [10.0, 20.0, 40.0], "mhc": [15.0, 20.0, 100.0]}, {"res": "res", "mhc": "res"})
+    assert summary["res"]["time_ratio"] == 1.0
+    assert summary["mhc"]["time_ratio"] == 1.5
+    assert summary["mhc"]["median_ms"] == 20.0
+
+
+@pytest.mark.slow
+def test_main_writes_every_variant_with_ratios_to_res(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    bench.main(SMALL_FLAGS + ["--json", str(out)])
+    result = json.loads(out.read_text())
+    names = ["res", "hc", "hc+recompute", "mhc", "mhc+recompute", "mhclite", "mhclite+recompute"]
+    assert list(result["variants"]) == names
+    assert result["variants"]["res"]["time_ratio"] == 1.0
+    assert result["variants"]["res"]["activation_ratio"] == 1.0
+    for name in names:
+        row = result["variants"][name]
+        assert len(row["step_ms"]) == 2 and row["time_ratio"] > 0 and row["activation_ratio"] > 0
+        assert row["mfu"] is None and row["cuda_peak_bytes"] is None  # CPU
+    assert result["variants"]["mhc+recompute"]["activation_ratio"] < result["variants"]["mhc"]["activation_ratio"]
+    assert list(result["micro"]["connections"]) == names
+    assert result["micro"]["connections"]["res"]["time_ratio"] == 1.0
+    h_res = result["micro"]["h_res"]
+    assert h_res["mhc"]["ops"] > h_res["mhclite"]["ops"] > 0
+    assert result["command"].startswith("python bench.py --size tiny")
+    for key in ("torch", "device_name", "cpu_count", "torch_threads", "date"):
+        assert result[key]
+    printed = capsys.readouterr().out
+    assert "| mhclite+recompute |" in printed and "H_res construction" in printed
+
+
+@pytest.mark.slow
+def test_n_sweep_compares_mhclite_budgets_to_mhc_per_n(tmp_path):
+    out = tmp_path / "sweep.json"
+    bench.main(SMALL_FLAGS + ["--n_sweep", "3,6", "--k_sweep", "4,8,700", "--json", str(out)])
+    result = json.loads(out.read_text())
+    rows = result["variants"]
+    # n=3: 3! = 6 permutations, so K=8 and K=700 are out of range and "all" is K=6
+    assert list(rows) == ["mhc n=3", "mhclite n=3 K=4", "mhclite n=3 K=6",
+                          "mhc n=6", "mhclite n=6 K=4", "mhclite n=6 K=8", "mhclite n=6 K=700"]
+    assert rows["mhc n=3"]["time_ratio"] == 1.0 and rows["mhc n=6"]["time_ratio"] == 1.0
+    assert rows["mhclite n=6 K=8"]["n_streams"] == 6 and rows["mhclite n=6 K=8"]["mhclite_perms"] == 8
+    assert rows["mhclite n=3 K=6"]["mhclite_perms"] is None
+    assert all(r["time_ratio"] > 0 and r["activation_ratio"] > 0 for r in rows.values())
+    assert "micro" not in result
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--residuals", "res,foo"], "error: unknown residual 'foo'; valid: res, hc, mhc, mhclite"),
+    (["--size", "XL"], "error: unknown size 'XL'"),
+    (["--steps", "0"], "error: --steps must be >= 1"),
+    (["--n_sweep", "6", "--k_sweep", "800"], "error: no mhclite permutation budget K <= 6! = 720"),
+])
+def test_bad_input_is_one_error_line(flags, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(SMALL_FLAGS + flags + ["--json", str(tmp_path / "x.json")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(message) and "\n" not in err
+    assert not (tmp_path / "x.json").exists()

@@ -1,0 +1,150 @@
+"""config.py: defaults from the paper, file composition, overrides, type coercion, clear errors."""
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+
+from config import REPO_DIR, ConfigError, TrainConfig, load_config
+
+
+def write(path, text):
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults_are_the_papers_setup():
+    cfg = load_config([])
+    assert (cfg.size, cfg.n_streams, cfg.block_size, cfg.dropout, cfg.bias) == ("M", 4, 1024, 0.0, False)
+    assert (cfg.learning_rate, cfg.min_lr) == (6e-4, 6e-5)
+    assert (cfg.max_iters, cfg.lr_decay_iters, cfg.warmup_iters) == (10000, 10000, 200)
+    assert (cfg.weight_decay, cfg.beta1, cfg.beta2, cfg.grad_clip) == (0.1, 0.9, 0.95, 1.0)
+    assert (cfg.eval_interval, cfg.eval_iters, cfg.sinkhorn_iters) == (500, 200, 20)
+    assert cfg.batch_size * cfg.block_size * cfg.gradient_accumulation_steps == 131072
+
+
+@pytest.mark.parametrize("size, lr, min_lr", [("S", 1e-3, 1e-4), ("M", 6e-4, 6e-5), ("L", 3e-4, 3e-5)])
+def test_size_files_and_size_override_give_the_papers_learning_rates(size, lr, min_lr):
+    from_file = load_config([os.path.join(REPO_DIR, "configs", f"{size}.py")])
+    from_flag = load_config([f"--size={size}"])
+    for cfg in (from_file, from_flag):
+        assert (cfg.size, cfg.learning_rate, cfg.min_lr) == (size, lr, min_lr)
+
+
+def test_every_config_file_loads_and_the_table1_combinations_compose():
+    for path in glob.glob(os.path.join(REPO_DIR, "configs", "*.py")):
+        load_config([path])
+    configs = os.path.join(REPO_DIR, "configs")
+    for data_file, dataset in (("owt.py", "openwebtext"), ("fineweb_edu.py", "fineweb_edu")):
+        for residual in ("res", "hc", "mhc", "mhclite"):
+            cfg = load_config([os.path.join(configs, data_file), os.path.join(configs, "L.py"),
+                               os.path.join(configs, f"{residual}.py")])
+            assert (cfg.dataset, cfg.size, cfg.residual) == (dataset, "L", residual)
+
+
+def test_files_compose_left_to_right_and_overrides_win(tmp_path):
+    a = write(tmp_path / "a.py", '"""doc"""\nbatch_size = 4\nmax_iters = 100\n')
+    b = write(tmp_path / "b.py", "# comment\nbatch_size = 8\n")
+    cfg = load_config([a, b])
+    assert (cfg.batch_size, cfg.max_iters) == (8, 100)
+    cfg = load_config([a, "--batch_size=2", b])  # order on the line is the order applied
+    assert cfg.batch_size == 8
+    cfg = load_config([a, b, "--batch_size=2"])
+    assert cfg.batch_size == 2
+
+
+def test_values_are_coerced_to_the_field_types():
+    cfg = load_config(["--max_iters=1e4", "--learning_rate=3e-4", "--wandb_log=true", "--bias=1",
+                       "--always_save_checkpoint=False", "--mhclite_perms=None", "--compile=False"])
+    assert cfg.max_iters == 10000 and type(cfg.max_iters) is int
+    assert cfg.learning_rate == 3e-4 and cfg.wandb_log is True and cfg.bias is True
+    assert cfg.always_save_checkpoint is False and cfg.mhclite_perms is None and cfg.compile == "false"
+    assert load_config(["--mhclite_perms=6"]).mhclite_perms == 6
+    assert load_config(["--weight_decay=0"]).weight_decay == 0.0
+    assert load_config(["--compile=auto"]).compile == "auto"
+
+
+@pytest.mark.parametrize("arg, words", [
+    ("--max_iters=1.5", ["max_iters", "int"]),
+    ("--max_iters=ten", ["max_iters", "int"]),
+    ("--learning_rate=fast", ["learning_rate", "float"]),
+    ("--wandb_log=yes", ["wandb_log", "bool"]),
+    ("--mhclite_perms=all", ["mhclite_perms", "int or None"]),
+    ("--compile=sometimes", ["compile", "auto, True or False"]),
+    ("--residual=foo", ["unknown residual 'foo'", "res, hc, mhc, mhclite"]),
+    ("--size=XL", ["unknown size 'XL'", "tiny, S, M, L"]),
+    ("--dtype=float16", ["unknown dtype", "float32, bfloat16"]),
+    ("--device=tpu", ["unknown device 'tpu'"]),
+    ("--batch_size=0", ["batch_size must be >= 1"]),
+    ("--n_layers=4", ["unknown config key 'n_layers'", "valid keys:", "n_layer"]),
+    ("max_iters=5", ["cannot parse argument"]),
+])
+def test_bad_values_give_one_clear_line(arg, words):
+    with pytest.raises(ConfigError) as info:
+        load_config([arg])
+    message = str(info.value)
+    assert "\n" not in message
+    for word in words:
+        assert word in message
+
+
+def test_unknown_key_or_bad_type_in_a_file_names_the_file(tmp_path):
+    path = write(tmp_path / "x.py", "n_layers = 4\n")
+    with pytest.raises(ConfigError, match=r"x\.py: unknown config key 'n_layers'; valid keys: .*max_iters"):
+        load_config([path])
+    path = write(tmp_path / "y.py", "max_iters = 'many'\n")
+    with pytest.raises(ConfigError, match=r"y\.py: max_iters must be int"):
+        load_config([path])
+
+
+def test_config_files_hold_only_literal_assignments(tmp_path):
+    path = write(tmp_path / "code.py", "max_iters = 10\nimport os\n")
+    with pytest.raises(ConfigError, match=r"code\.py line 2: only `name = literal`"):
+        load_config([path])
+    path = write(tmp_path / "expr.py", "max_iters = 10 * n\n")
+    with pytest.raises(ConfigError, match=r"expr\.py line 1"):
+        load_config([path])
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config([str(tmp_path / "missing.py")])
+
+
+def test_conflicting_sizes_in_two_files_are_one_clear_line(tmp_path):
+    s = os.path.join(REPO_DIR, "configs", "S.py")
+    m = os.path.join(REPO_DIR, "configs", "M.py")
+    with pytest.raises(ConfigError) as info:
+        load_config([s, m])
+    message = str(info.value)
+    assert message.startswith("conflicting size:") and "S.py" in message and "M.py" in message
+    assert "\n" not in message
+    assert load_config([s, "--size=M"]).size == "M"  # an explicit override is not a conflict
+    assert load_config([s, s]).size == "S"
+
+
+def test_out_dir_default_and_explicit(tmp_path):
+    cfg = load_config(["--dataset=fineweb_edu", "--size=S", "--residual=mhclite", "--seed=7"])
+    assert cfg.out_dir == os.path.join(REPO_DIR, "out", "fineweb_edu-S-mhclite-s7")
+    assert cfg.wandb_run_name == "fineweb_edu-S-mhclite-s7"
+    assert cfg.data_dir == os.path.join(REPO_DIR, "data")
+    assert load_config([f"--out_dir={tmp_path}"]).out_dir == str(tmp_path)
+
+
+def test_every_field_has_a_parser():
+    for key, value in vars(TrainConfig()).items():
+        load_config([f"--{key}={value}"])
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--bogus=1"], ["unknown config key 'bogus'"]),
+    (["--max_iters=abc"], ["max_iters must be int"]),
+    (["configs/S.py", "configs/L.py"], ["conflicting size"]),
+])
+def test_train_cli_prints_one_error_line_and_exits_2(args, words):
+    proc = subprocess.run([sys.executable, os.path.join(REPO_DIR, "train.py"), *args], cwd=REPO_DIR,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ")
+    for word in words:
+        assert word in lines[0]

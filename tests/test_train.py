@@ -1,0 +1,345 @@
+"""train.py and checkpoint.py end to end on CPU: a tiny model on a tiny char-level corpus written
+into tmp_path. Covers the four variants, exact resume, 2-process DDP equivalence, SIGTERM, an
+injected NaN, damaged checkpoints and the one-line errors."""
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import train
+from checkpoint import CheckpointError, load_checkpoint, load_model, save_checkpoint
+from config import REPO_DIR, load_config
+
+TRAIN_KEYS = {"step", "train_loss", "lr", "grad_norm", "tokens_per_s", "step_ms", "mfu"}
+EVAL_KEYS = {"step", "eval_train_loss", "val_loss"}
+WORDS = ("the king and queen of a far land rode to the old castle where one bold knight kept "
+         "watch over the river and the hills").split()
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread, and the CPU is shared."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """A ~25 KB char-level corpus in nanoGPT format: seeded random lines of a few words."""
+    root = tmp_path_factory.mktemp("data")
+    rng = random.Random(0)
+    text = "\n".join(" ".join(rng.choice(WORDS) for _ in range(10)) for _ in range(450)) + "\n"
+    chars = sorted(set(text))
+    ids = np.array([chars.index(c) for c in text], dtype=np.uint16)
+    n_train = int(0.9 * len(ids))
+    folder = root / "toy"
+    folder.mkdir()
+    ids[:n_train].tofile(folder / "train.bin")
+    ids[n_train:].tofile(folder / "val.bin")
+    meta = dict(dataset="toy", tokenizer="char", vocab_size=len(chars), train_tokens=n_train,
+                val_tokens=len(ids) - n_train, dtype="uint16", source="test", split_seed=0, val_fraction=0.1,
+                itos=chars)
+    (folder / "meta.json").write_text(json.dumps(meta))
+    return root
+
+
+def tiny_args(data_dir, out_dir, **overrides):
+    settings = dict(dataset="toy", data_dir=data_dir, out_dir=out_dir, size="tiny", residual="mhclite",
+                    n_layer=2, n_embd=64, block_size=32, batch_size=4, gradient_accumulation_steps=2,
+                    max_iters=20, warmup_iters=4, learning_rate=3e-3, min_lr=3e-4, eval_interval=10,
+                    eval_iters=2, log_interval=5, device="cpu", dtype="float32", compile=False)
+    settings.update(overrides)
+    return [f"--{key}={value}" for key, value in settings.items()]
+
+
+def read_metrics(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    train_records = [r for r in records if "train_loss" in r]
+    eval_records = [r for r in records if "val_loss" in r]
+    assert len(train_records) + len(eval_records) == len(records)
+    return train_records, eval_records
+
+
+def run_cli(args, **kwargs):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, os.path.join(REPO_DIR, "train.py"), *args], cwd=REPO_DIR, env=env,
+                          capture_output=True, text=True, timeout=300, **kwargs)
+
+
+def assert_one_error_line(stderr, *words):
+    assert "Traceback" not in stderr
+    lines = [line for line in stderr.strip().splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, stderr
+    for word in words:
+        assert word in lines[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Pieces
+
+
+def test_lr_schedule_warms_up_linearly_then_decays_by_cosine_to_min_lr():
+    cfg = load_config(["--learning_rate=1e-3", "--min_lr=1e-4", "--warmup_iters=10", "--max_iters=110"])
+    lrs = [train.get_lr(it, cfg) for it in range(130)]
+    warmup = np.diff(lrs[:11])
+    assert np.allclose(warmup, warmup[0]) and warmup[0] > 0
+    assert lrs[10] == pytest.approx(1e-3)
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+    assert lrs[60] == pytest.approx(0.5 * (1e-3 + 1e-4))  # halfway through the cosine
+    assert lrs[110:] == [pytest.approx(1e-4)] * 20
+
+
+def test_global_batch_is_the_same_set_of_sequences_for_any_world_size(data_dir):
+    path = str(data_dir / "toy" / "train.bin")
+    cfg = load_config(["--batch_size=3", "--gradient_accumulation_steps=4", "--block_size=16"])
+    shares = {}
+    for world_size in (1, 2, 4):
+        generators = [train.make_generator(5, train.TRAIN_STREAM) for _ in range(world_size)]
+        shares[world_size] = [torch.cat([train.step_offsets(g, path, cfg, rank, world_size)
+                                         for rank, g in enumerate(generators)]) for _ in range(3)]
+        # every rank's generator has advanced identically, so the data position is rank-free
+        assert len({bytes(g.get_state().numpy()) for g in generators}) == 1
+    for step in range(3):
+        assert shares[1][step].shape == (4, 3)
+        assert torch.equal(shares[1][step], shares[2][step]) and torch.equal(shares[1][step], shares[4][step])
+    assert not torch.equal(shares[1][0], shares[1][1])
+    other_seed = train.step_offsets(train.make_generator(6, train.TRAIN_STREAM), path, cfg, 0, 1)
+    assert not torch.equal(other_seed, shares[1][0])
+
+
+def test_save_checkpoint_is_atomic(tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    save_checkpoint(path, {"step": 1, "weights": torch.ones(3)})
+    with pytest.raises(Exception):
+        save_checkpoint(path, {"step": 2, "bad": lambda: None})  # fails while pickling
+    assert torch.load(path, weights_only=True)["step"] == 1
+    assert os.listdir(tmp_path) == ["ckpt.pt"]
+
+
+def test_damaged_or_foreign_files_are_one_clear_line(tmp_path):
+    with pytest.raises(CheckpointError, match="checkpoint not found"):
+        load_checkpoint(str(tmp_path / "none.pt"))
+    (tmp_path / "empty.pt").write_bytes(b"")
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint" * 100)
+    for name in ("empty.pt", "junk.pt"):
+        with pytest.raises(CheckpointError, match="truncated, corrupt or not a checkpoint"):
+            load_checkpoint(str(tmp_path / name))
+    torch.save({"weights": torch.ones(2)}, tmp_path / "other.pt")
+    with pytest.raises(CheckpointError, match="not a train.py checkpoint"):
+        load_checkpoint(str(tmp_path / "other.pt"))
+
+
+# ----------------------------------------------------------------------------------------------
+# End to end
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("residual", ["res", "hc", "mhc", "mhclite"])
+def test_each_variant_trains_and_logs_metrics(data_dir, tmp_path, residual):
+    out = tmp_path / "run"
+    train.main(tiny_args(data_dir, out, residual=residual))
+    train_records, eval_records = read_metrics(out)
+    assert [r["step"] for r in train_records] == list(range(1, 21))
+    assert [r["step"] for r in eval_records] == [0, 10, 20]
+    for r in train_records:
+        assert set(r) == TRAIN_KEYS and r["mfu"] is None
+        assert all(math.isfinite(r[k]) and r[k] > 0 for k in TRAIN_KEYS - {"step", "mfu"})
+    for r in eval_records:
+        assert set(r) == EVAL_KEYS
+    losses = [r["train_loss"] for r in train_records]
+    assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.3
+    assert eval_records[-1]["val_loss"] < eval_records[0]["val_loss"] - 0.3
+    assert train_records[0]["lr"] < train_records[3]["lr"]  # warmup
+    config = json.loads((out / "config.json").read_text())
+    assert (config["residual"], config["max_iters"], config["out_dir"]) == (residual, 20, str(out))
+    assert (out / "done").read_text().strip() == "20"
+    model, ckpt = load_model(str(out / "ckpt.pt"))
+    assert ckpt["step"] == 20 and ckpt["config"]["residual"] == residual
+    assert not any(k.startswith("_orig_mod.") for k in ckpt["model"])
+    assert model.config.n_streams == (1 if residual == "res" else 4) and not model.training
+
+
+@pytest.mark.slow
+def test_resume_continues_the_exact_trajectory(data_dir, tmp_path):
+    common = dict(residual="mhc", max_iters=16, lr_decay_iters=16, eval_interval=4)
+    train.main(tiny_args(data_dir, tmp_path / "straight", **common))
+    train.main(tiny_args(data_dir, tmp_path / "split", **dict(common, max_iters=8)))
+    # a crash after the checkpoint at step 8 would have left later lines; resume drops them
+    with open(tmp_path / "split" / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 9, "train_loss": 99.0}) + "\n" + '{"step": 10, "train_lo')
+    train.main(tiny_args(data_dir, tmp_path / "split", init_from="resume", **common))
+
+    straight_train, straight_eval = read_metrics(tmp_path / "straight")
+    split_train, split_eval = read_metrics(tmp_path / "split")
+    assert [r["step"] for r in split_train] == list(range(1, 17))
+    assert [r["step"] for r in split_eval] == [0, 4, 8, 12, 16]
+    for a, b in zip(straight_train, split_train, strict=True):
+        assert a["step"] == b["step"] and a["lr"] == b["lr"]
+        assert a["train_loss"] == pytest.approx(b["train_loss"], abs=1e-6)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], abs=1e-6)
+    for a, b in zip(straight_eval, split_eval, strict=True):
+        assert a["step"] == b["step"]
+        assert a["val_loss"] == pytest.approx(b["val_loss"], abs=1e-6)
+        assert a["eval_train_loss"] == pytest.approx(b["eval_train_loss"], abs=1e-6)
+    a, b = load_checkpoint(str(tmp_path / "straight" / "ckpt.pt")), load_checkpoint(str(tmp_path / "split" / "ckpt.pt"))
+    assert all(torch.allclose(a["model"][k], b["model"][k], atol=1e-6) for k in a["model"])
+
+
+@pytest.mark.slow
+def test_two_process_ddp_matches_one_process_with_double_accumulation(data_dir, tmp_path):
+    args = dict(max_iters=6, eval_interval=3, gradient_accumulation_steps=4, log_interval=2)
+    train.main(tiny_args(data_dir, tmp_path / "one", **args))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           os.path.join(REPO_DIR, "train.py"), *tiny_args(data_dir, tmp_path / "two", **args)],
+                          cwd=REPO_DIR, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "2 x cpu" in proc.stdout
+    one_train, one_eval = read_metrics(tmp_path / "one")
+    two_train, two_eval = read_metrics(tmp_path / "two")
+    assert len(one_train) == len(two_train) == 6 and len(one_eval) == len(two_eval) == 3
+    for a, b in zip(one_train + one_eval, two_train + two_eval):
+        assert a["step"] == b["step"]
+        for key in ("train_loss", "grad_norm", "val_loss", "eval_train_loss"):
+            if key in a:
+                assert a[key] == pytest.approx(b[key], rel=1e-5)
+    assert two_train[-1]["train_loss"] < two_train[0]["train_loss"]
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_loadable_checkpoint_at_a_step_boundary(data_dir, tmp_path):
+    out = tmp_path / "run"
+    args = tiny_args(data_dir, out, residual="hc", max_iters=100000, eval_interval=100000, log_interval=1,
+                     gradient_accumulation_steps=1)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, os.path.join(REPO_DIR, "train.py"), *args], cwd=REPO_DIR, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            if (out / "metrics.jsonl").exists() and len(read_metrics(out)[0]) >= 3:
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.stderr.read()
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    assert "Traceback" not in stderr and "stopped by signal" in stdout
+    ckpt = load_checkpoint(str(out / "ckpt.pt"))
+    train_records, _ = read_metrics(out)
+    assert ckpt["step"] == train_records[-1]["step"] >= 3
+    assert [r["step"] for r in train_records] == list(range(1, ckpt["step"] + 1))
+    assert not (out / "done").exists()
+    # the saved run continues where it stopped, without gaps or duplicate lines
+    stop_step = ckpt["step"]
+    train.main(args + ["--init_from=resume", f"--max_iters={stop_step + 2}"])
+    train_records, _ = read_metrics(out)
+    assert [r["step"] for r in train_records] == list(range(1, stop_step + 3))
+
+
+@pytest.mark.slow
+def test_injected_nan_stops_the_run_and_keeps_the_last_good_checkpoint(data_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as info:
+        train.main(tiny_args(data_dir, out, max_iters=10, eval_interval=4, log_interval=1, debug_nan_at_step=7))
+    assert info.value.code == 1
+    assert_one_error_line(capsys.readouterr().err, "non-finite loss at step 7", "step 4")
+    model, ckpt = load_model(str(out / "ckpt.pt"))
+    assert ckpt["step"] == 4
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    train_records, _ = read_metrics(out)
+    assert train_records[-1]["step"] == 6
+    assert not (out / "done").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# One-line errors at the command line
+
+
+@pytest.mark.slow
+def test_resume_errors_are_one_line(data_dir, tmp_path):
+    out = tmp_path / "run"
+    train.main(tiny_args(data_dir, out, residual="hc", max_iters=2, eval_interval=2))
+
+    proc = run_cli(tiny_args(data_dir, out, residual="mhc", init_from="resume"))
+    assert proc.returncode == 2
+    assert_one_error_line(proc.stderr, "residual=hc", "residual=mhc")
+
+    proc = run_cli(tiny_args(data_dir, out, residual="hc"))  # from scratch over a finished run
+    assert proc.returncode == 2
+    assert_one_error_line(proc.stderr, "--init_from=resume")
+
+    truncated = tmp_path / "truncated"
+    truncated.mkdir()
+    data = (out / "ckpt.pt").read_bytes()
+    (truncated / "ckpt.pt").write_bytes(data[:len(data) // 2])
+    with pytest.raises(CheckpointError, match="truncated, corrupt or not a checkpoint"):
+        load_checkpoint(str(truncated / "ckpt.pt"))
+    proc = run_cli(tiny_args(data_dir, truncated, residual="hc", init_from="resume"))
+    assert proc.returncode == 2
+    assert_one_error_line(proc.stderr, "truncated, corrupt or not a checkpoint")
+
+
+def test_missing_data_names_the_prepare_script(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        train.main(tiny_args(tmp_path, tmp_path / "out", dataset="shakespeare_char"))
+    assert info.value.code == 2
+    assert_one_error_line(capsys.readouterr().err, "missing data file", "prepare_shakespeare.py --tokenizer char")
+
+
+def test_corpus_smaller_than_one_block_is_one_line(data_dir, tmp_path):
+    proc = run_cli(tiny_args(data_dir, tmp_path / "out", block_size=4096))
+    assert proc.returncode == 2
+    assert_one_error_line(proc.stderr, "fewer than block_size + 1 = 4097")
+    assert not (tmp_path / "out").exists()
+
+
+def test_sweep_dry_run_lists_the_table1_runs_and_skips_or_resumes(tmp_path):
+    script = os.path.join(REPO_DIR, "scripts", "sweep_table1.sh")
+
+    def sweep(*args):
+        return subprocess.run(["bash", script, "--out_root", str(tmp_path), *args], capture_output=True, text=True,
+                              timeout=60)
+
+    proc = sweep("--dry_run")
+    assert proc.returncode == 0, proc.stderr
+    commands = proc.stdout.strip().splitlines()
+    assert len(commands) == 24 and all("torch.distributed.run --standalone" in c for c in commands)
+    for dataset in ("openwebtext", "fineweb_edu"):
+        for size in ("S", "M", "L"):
+            for residual in ("res", "hc", "mhc", "mhclite"):
+                out_dir = f"--out_dir={tmp_path}/{dataset}-{size}-{residual}-s1337"
+                assert sum(out_dir in c.split() for c in commands) == 1
+
+    (tmp_path / "fineweb_edu-M-mhc-s2").mkdir()
+    (tmp_path / "fineweb_edu-M-mhc-s2" / "done").write_text("10000\n")
+    (tmp_path / "fineweb_edu-M-mhclite-s2").mkdir()
+    (tmp_path / "fineweb_edu-M-mhclite-s2" / "ckpt.pt").write_bytes(b"")
+    proc = sweep("--dry_run", "--nproc", "8", "--seeds", "1 2", "--datasets", "fineweb_edu", "--sizes", "M",
+                 "--residuals", "mhc mhclite", "--", "--wandb_log=True")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 4 and lines[2] == f"skip (finished): {tmp_path}/fineweb_edu-M-mhc-s2"
+    commands = [line for line in lines if "train.py" in line]
+    for command in commands:
+        assert "--nproc_per_node=8" in command and "configs/fineweb_edu.py configs/M.py" in command
+        assert command.rstrip().endswith("--wandb_log=True")
+    assert [("--init_from=resume" in c) for c in commands] == [False, False, True]
+
+    proc = sweep("--residuals", "foo")
+    assert proc.returncode == 2
+    assert_one_error_line(proc.stderr, "unknown residual 'foo'")
