@@ -255,7 +255,9 @@ class HyperConnection(StreamConnection):
         p = torch.tanh(_fused_rms_projection(x, self.norm_gain, self.proj.weight))  # (B, T, n, n+2)
         alpha = self.static_alpha + self.scale_alpha * p[..., : n + 1]
         beta = self.static_beta + self.scale_beta * p[..., n + 1]
-        return {"h_pre": alpha[..., 0], "h_post": beta, "h_res": alpha[..., 1:].transpose(-1, -2)}
+        # Contiguous copies (tiny): CPU bmm loops matrix by matrix over strided operands.
+        return {"h_pre": alpha[..., 0].contiguous(), "h_post": beta,
+                "h_res": alpha[..., 1:].transpose(-1, -2).contiguous()}
 
 
 class ManifoldConnectionBase(StreamConnection):

@@ -73,8 +73,8 @@ class Run:
 
 
 def latest_trajectory(records):
-    """After a resume, train.py logs again the steps it had already logged after the last
-    checkpoint; the later records replace everything from that step on."""
+    """If a step appears twice (e.g. the evaluation at the step a run resumed from), the later
+    record wins and replaces everything logged from that step on."""
     kept = []
     for rec in records:
         while kept and kept[-1]["step"] >= rec["step"]:
@@ -135,10 +135,14 @@ def is_run_dir(path):
     return os.path.isdir(path) and any(os.path.exists(os.path.join(path, f)) for f in ("config.json", "metrics.jsonl"))
 
 
-def find_runs(paths, exclude=None):
+def default_cell(run):
+    return (*run.group, run.residual, run.seed)
+
+
+def find_runs(paths, exclude=None, cell_of=default_cell):
     """Loads the run directories among `paths` (as a shell glob like out/* gives them). Other
     directories (e.g. a report folder next to the runs) are skipped with a note; `exclude` and
-    anything inside it is skipped silently."""
+    anything inside it is skipped silently. Two runs with the same `cell_of(run)` are an error."""
     if not paths:
         raise AnalysisError("no run directories given (--runs)")
     skip_root = os.path.realpath(exclude) if exclude else None
@@ -157,10 +161,10 @@ def find_runs(paths, exclude=None):
             print(f"note: skipping '{path}': not a run directory (no config.json or metrics.jsonl)")
             continue
         run = load_run(path)
-        cell = (*run.group, run.residual, run.seed)
+        cell = cell_of(run)
         if cell in cells:
-            raise AnalysisError(f"runs '{cells[cell]}' and '{path}' are both {cell[0]}/{cell[1]}/{cell[2]} "
-                                f"seed {cell[3]}; pass only one of them")
+            raise AnalysisError(f"runs '{cells[cell]}' and '{path}' are both {'/'.join(map(str, cell[:-1]))} "
+                                f"seed {cell[-1]}; pass only one of them")
         cells[cell] = path
         runs.append(run)
     if not runs:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from analysis import collect, colsum_box, grad_norm, loss_table, nu_hist, report, throughput
+from analysis import collect, colsum_box, grad_norm, larger_n, loss_table, nu_hist, report, throughput
 from analysis.common import find_runs, read_metrics
 from checkpoint import load_model
 from residuals import capture_connections
@@ -39,12 +39,12 @@ def write_char_dataset(data_dir):
     (folder / "meta.json").write_text(json.dumps(meta))
 
 
-def train_run(data_dir, out_dir, residual, seed=1):
+def train_run(data_dir, out_dir, residual, seed=1, extra=()):
     cmd = [sys.executable, "train.py", "configs/tiny.py", f"--dataset={DATASET}", f"--data_dir={data_dir}",
            f"--residual={residual}", f"--out_dir={out_dir}", f"--seed={seed}", "--device=cpu", "--dtype=float32",
            "--compile=False", f"--block_size={BLOCK}", "--batch_size=4", "--gradient_accumulation_steps=1",
            f"--max_iters={STEPS}", "--warmup_iters=5", "--eval_interval=10", "--eval_iters=2", "--log_interval=1",
-           f"--n_layer={N_LAYER}", "--n_head=2", "--n_embd=64"]
+           f"--n_layer={N_LAYER}", "--n_head=2", "--n_embd=64", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # no thread oversubscription on busy cores
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -311,6 +311,56 @@ def test_colsums_per_matrix_and_product(collected, tmp_path, capsys):
         assert stats[variant]["max_dev"]["product"]["col"] == pytest.approx(np.abs(product.sum(axis=-2) - 1).max())
         assert stats[variant]["max_dev"]["per_matrix"]["row"] == pytest.approx(np.abs(h_res.sum(axis=-1) - 1).max())
         assert f"{stats[variant]['max_dev']['product']['col']:.3e}" in printed
+
+
+# ---------------------------------------------------------------------------------------------
+# The larger-n study
+
+
+@pytest.mark.slow
+def test_larger_n_study_numbers_come_from_the_runs(runs, tmp_path, capsys):
+    sampled = tmp_path / "runs" / "mhclite-K6-cover"
+    train_run(runs["res"].parents[1] / "data", sampled, "mhclite",
+              extra=["--mhclite_perms=6", "--mhclite_perm_sampling=cover"])
+    run_dirs = [runs["res"], runs["mhc"], sampled, runs["mhclite"]]  # the page's order: n, variant, K
+    out = tmp_path / "study"
+    larger_n.main(["--runs", *map(str, run_dirs), "--out", str(out), "--num_seqs", "3", "--seq_len", "16",
+                   "--study_command", "bash scripts/larger_n_study.sh"])
+    printed = capsys.readouterr().out
+    page = (out / "larger_n.md").read_text()
+    assert (out / "larger_n.png").stat().st_size > 10_000 and "(larger_n.png)" in page
+    assert "bash scripts/larger_n_study.sh\npython analysis/larger_n.py --runs" in page
+    assert list(markdown_rows(page)) == ["Residual", f"mHC n={N_STREAMS}", f"mHC-lite n={N_STREAMS} K=6 cover",
+                                         f"mHC-lite n={N_STREAMS} K=24"]
+    summary = json.loads((out / "larger_n.json").read_text())["summary"]
+    for entry, run_dir in zip(summary, run_dirs):
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        val = [r["val_loss"] for r in records if "val_loss" in r]
+        step_ms = [r["step_ms"] for r in records if "step_ms" in r]
+        assert entry["val_loss"] == pytest.approx(val[-1])
+        assert entry["step_ms"] == pytest.approx(np.median(step_ms[len(step_ms) // 10:]))
+        model, _ = load_model(str(run_dir / "ckpt.pt"))
+        assert entry["connection_params"] == sum(p.numel() for m in model.connections() for p in m.parameters())
+        assert f"{entry['val_loss']:.4f}" in printed
+    res, mhc, cover, full = summary
+    assert np.isnan(res["matrix_col_dev"])
+    assert mhc["matrix_row_dev"] < 1e-5 < mhc["matrix_col_dev"]  # Sinkhorn ends on rows
+    for lite in (full, cover):
+        for key in ("matrix_col_dev", "matrix_row_dev", "product_col_dev", "product_row_dev"):
+            assert lite[key] < 1e-5
+    # W_res (nC x K) and b_res (K): the K=6 model has 18 fewer of each per wrapper than the K=24 one
+    assert full["connection_params"] - cover["connection_params"] == 2 * N_LAYER * (N_STREAMS * 64 + 1) * 18
+
+
+def test_larger_n_rejects_other_variants_and_mixed_lengths(runs, tmp_path, capsys):
+    with pytest.raises(SystemExit) as excinfo:
+        larger_n.main(["--runs", str(runs["hc"]), "--out", str(tmp_path)])
+    assert "the larger-n study compares res, mhc, mhclite" in one_error_line(capsys, excinfo)
+    short = tmp_path / "short"
+    train_run(runs["res"].parents[1] / "data", short, "mhc", extra=["--max_iters=10"])
+    with pytest.raises(SystemExit) as excinfo:
+        larger_n.main(["--runs", str(runs["res"]), str(short), "--out", str(tmp_path / "o"), "--num_seqs", "1"])
+    assert "stopped at different steps" in one_error_line(capsys, excinfo)
 
 
 # ---------------------------------------------------------------------------------------------
