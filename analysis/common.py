@@ -141,8 +141,8 @@ def default_cell(run):
 
 def find_runs(paths, exclude=None, cell_of=default_cell):
     """Loads the run directories among `paths` (as a shell glob like out/* gives them). Other
-    directories (e.g. a report folder next to the runs) are skipped with a note; `exclude` and
-    anything inside it is skipped silently. Two runs with the same `cell_of(run)` are an error."""
+    directories (e.g. a report folder next to the runs) are skipped with a note; `exclude` (the
+    output folder) is skipped silently. Two runs with the same `cell_of(run)` are an error."""
     if not paths:
         raise AnalysisError("no run directories given (--runs)")
     skip_root = os.path.realpath(exclude) if exclude else None
@@ -155,7 +155,7 @@ def find_runs(paths, exclude=None, cell_of=default_cell):
         if not os.path.exists(path):
             raise AnalysisError(f"run directory '{path}' does not exist")
         real = os.path.realpath(path)
-        if skip_root and (real == skip_root or real.startswith(skip_root + os.sep)):
+        if real == skip_root:
             continue
         if not is_run_dir(path):
             print(f"note: skipping '{path}': not a run directory (no config.json or metrics.jsonl)")

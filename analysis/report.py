@@ -2,7 +2,7 @@
 throughput bars, and from each HC-family run's checkpoint (collected with analysis/collect.py)
 the log(1/nu) histograms of mHC and the H_res column-sum boxplots.
 
-    python analysis/report.py --runs out/demo/* --out out/demo/report
+    python analysis/report.py --runs out/demo/* --out out/demo
 
 writes <out>/report.md with the figures next to it (linked by relative paths), loss_table.md/.tex,
 and the collected matrices in <out>/collect/<run name>.npz.
