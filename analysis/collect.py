@@ -151,7 +151,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     try:
         collect(args.ckpt, args.out, args.num_seqs, args.seq_len, args.batch_size, args.max_tokens,
-                       args.seed, args.data_dir, args.device, args.dtype)
+                args.seed, args.data_dir, args.device, args.dtype)
     except (AnalysisError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

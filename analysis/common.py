@@ -172,6 +172,16 @@ def find_runs(paths, exclude=None, cell_of=default_cell):
     return runs
 
 
+def after_warmup(run, key, skip=None):
+    """A run's logged `key` values without the first `skip` steps (10% of them by default)."""
+    values = run.train[key]
+    skip = len(values) // 10 if skip is None else skip
+    kept = values[skip:]
+    if len(kept) == 0:
+        raise AnalysisError(f"run '{run.path}' has {len(values)} logged steps, none left after skipping {skip}")
+    return kept
+
+
 def group_runs(runs):
     """{(dataset, size): {variant: [runs sorted by seed]}}, groups in paper order."""
     groups = {}

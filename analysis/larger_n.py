@@ -32,7 +32,7 @@ import torch
 
 from analysis.collect import collect
 from analysis.colsum_box import sum_stats
-from analysis.common import VARIANT_COLORS, VARIANT_NAMES, AnalysisError, find_runs
+from analysis.common import VARIANT_COLORS, VARIANT_NAMES, AnalysisError, after_warmup, find_runs
 from checkpoint import CheckpointError, load_model
 
 STUDY_VARIANTS = ("res", "mhc", "mhclite")
@@ -69,15 +69,6 @@ def config_sort_key(config):
     return (n, STUDY_VARIANTS.index(residual), k or 0, sampling or "")
 
 
-def median_step_ms(run, skip=None):
-    step_ms = run.train["step_ms"]
-    skip = len(step_ms) // 10 if skip is None else skip
-    kept = step_ms[skip:]
-    if len(kept) == 0:
-        raise AnalysisError(f"run '{run.path}' has {len(step_ms)} logged steps, none left after skipping {skip}")
-    return float(np.median(kept))
-
-
 def measure_run(run, work_dir, num_seqs, seq_len, skip):
     """One row of the study: the run's configuration, losses, timing, parameters and H_res sums."""
     val_loss = run.evals["val_loss"]
@@ -86,7 +77,7 @@ def measure_run(run, work_dir, num_seqs, seq_len, skip):
     ckpt = os.path.join(run.path, "ckpt.pt")
     model, _ = load_model(ckpt)
     row = dict(run=run.path, config=configuration(run), seed=run.seed, step=int(run.train["step"][-1]),
-               val_loss=float(val_loss[-1]), step_ms=median_step_ms(run, skip),
+               val_loss=float(val_loss[-1]), step_ms=float(np.median(after_warmup(run, "step_ms", skip))),
                connection_params=model.parameter_counts()["connections"])
     if run.residual == "res":
         return {**row, **{m: math.nan for m in METRICS[2:]}}

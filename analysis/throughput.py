@@ -16,17 +16,13 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
 import numpy as np
 
-from analysis.common import (VARIANT_COLORS, VARIANT_NAMES, VARIANTS, AnalysisError, find_runs, group_label,
-                             group_runs, group_slug)
+from analysis.common import (VARIANT_COLORS, VARIANT_NAMES, VARIANTS, AnalysisError, after_warmup, find_runs,
+                             group_label, group_runs, group_slug)
 
 
 def run_throughput(run, skip=None):
     """Mean tokens/s of one run after dropping the first `skip` logged steps (10% by default)."""
-    tokens_per_s = run.train["tokens_per_s"]
-    skip = len(tokens_per_s) // 10 if skip is None else skip
-    kept = tokens_per_s[skip:]
-    if len(kept) == 0:
-        raise AnalysisError(f"run '{run.path}' has {len(tokens_per_s)} logged steps, none left after skipping {skip}")
+    kept = after_warmup(run, "tokens_per_s", skip)
     return float(np.mean(kept)), len(kept)
 
 

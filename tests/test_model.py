@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from model import GPT, MODEL_SIZES, GPTConfig, model_shape
 from residuals import capture_connections

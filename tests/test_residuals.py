@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from residuals import (RESIDUALS, HyperConnection, ManifoldHyperConnection, ManifoldHyperConnectionLite,
                        capture_connections, permutation_matrices, permutations, sinkhorn)
