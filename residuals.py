@@ -34,6 +34,11 @@ RMS_EPS = 1e-6
 # Building blocks
 
 
+def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """x in float32, or unchanged when it is float64 (for float64 checks of the same code)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def sinkhorn(logits: torch.Tensor, iters: int = 20) -> torch.Tensor:
     """Sinkhorn-Knopp on exp(logits) over the last two dims, computed in log space.
 
@@ -41,7 +46,7 @@ def sinkhorn(logits: torch.Tensor, iters: int = 20) -> torch.Tensor:
     iterations the rows are exact and the column sums carry the approximation error.
     Runs in fp32 (or float64 when given float64) and returns that dtype.
     """
-    log_p = logits if logits.dtype == torch.float64 else logits.float()
+    log_p = at_least_fp32(logits)
     for _ in range(iters):
         log_p = log_p - torch.logsumexp(log_p, dim=-2, keepdim=True)
         log_p = log_p - torch.logsumexp(log_p, dim=-1, keepdim=True)
@@ -179,24 +184,27 @@ class StreamConnection(nn.Module):
         self.recompute = recompute
 
     def _pre(self, x):
+        """The coefficients, the branch input u and the mixed streams h_res x."""
         with torch.autocast(x.device.type, enabled=False):
-            x = x.float()
+            x = at_least_fp32(x)
             coeffs = self.coefficients(x)
-            branch_input = (coeffs["h_pre"].unsqueeze(-2) @ x).squeeze(-2)
-        return coeffs, branch_input
+            # One matmul reads x once for both: row 0 of the product is u, rows 1..n are h_res x.
+            mixer = torch.cat([coeffs["h_pre"].unsqueeze(-2), coeffs["h_res"]], dim=-2)  # (B, T, n+1, n)
+            branch_input, mixed = (mixer @ x).split([1, self.n_streams], dim=-2)
+        return coeffs, branch_input.squeeze(-2), mixed
 
     def forward(self, x, branch):
         if self.recompute and torch.is_grad_enabled():
-            # Keep only x; the coefficients and the branch input are recomputed in backward.
-            coeffs, branch_input = checkpoint(self._pre, x, use_reentrant=False)
+            # Keep only x; the coefficients and the pre-aggregation are recomputed in backward.
+            coeffs, branch_input, mixed = checkpoint(self._pre, x, use_reentrant=False)
         else:
-            coeffs, branch_input = self._pre(x)
+            coeffs, branch_input, mixed = self._pre(x)
         if _capture_records is not None:
             _capture_records.append({"wrapper": self.wrapper_index, "residual": self.name,
                                      **{key: value.detach().float() for key, value in coeffs.items()}})
         y = branch(branch_input)
         with torch.autocast(x.device.type, enabled=False):
-            return torch.addcmul(coeffs["h_res"] @ x, coeffs["h_post"].unsqueeze(-1), y.unsqueeze(-2))
+            return torch.addcmul(mixed, coeffs["h_post"].unsqueeze(-1), y.unsqueeze(-2))
 
     def mixing_flops_per_token(self) -> int:
         """Forward FLOPs per token besides the projection (whose weights count in 6N):
@@ -205,14 +213,37 @@ class StreamConnection(nn.Module):
         return 2 * n * n * c + 6 * n * c
 
 
-def _fused_rms_projection(x, gain, weight):
-    """RMSNorm(x; gain) @ weight.T over the last dim, as (x @ (gain * weight).T) * rsqrt(mean(x^2)).
+class _RMSProjection(torch.autograd.Function):
+    """(x @ w.T) * rsqrt(mean(x^2) + eps) over the last dim, with a hand-written backward.
 
-    Identical math, but the normalised copy of x is never materialised (x is kept anyway), and
-    the norm is one reduction with a one-pass backward.
+    This is RMSNorm(x; gain) @ weight.T with the gain folded into w = weight * gain. The normalised
+    copy of x is never materialised, and the backward makes one matmul and one fused multiply-add
+    over x, where autograd's backward of the norm alone makes several full passes. With
+    y = z * r, z = x w^T, r = rsqrt(mean(x^2) + eps) and dr/dx = -r^3 x / D:
+        grad_w = (grad_y * r)^T x,   grad_x = (grad_y * r) w - x * r^3 / D * sum(grad_y * z).
     """
-    mean_square = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() / x.shape[-1]
-    return (x @ (weight * gain).t()) * torch.rsqrt(mean_square + RMS_EPS)
+
+    @staticmethod
+    def forward(ctx, x, w):
+        mean_square = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() / x.shape[-1]
+        rms_inv = torch.rsqrt(mean_square + RMS_EPS)
+        z = x @ w.t()
+        ctx.save_for_backward(x, w, z, rms_inv)
+        return z * rms_inv
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, w, z, rms_inv = ctx.saved_tensors
+        grad_z = grad_y * rms_inv
+        grad_w = grad_z.reshape(-1, grad_z.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+        grad_rms_inv = (grad_y * z).sum(-1, keepdim=True)
+        grad_x = torch.addcmul(grad_z @ w, x, grad_rms_inv * rms_inv.pow(3) / -x.shape[-1])
+        return grad_x, grad_w
+
+
+def _fused_rms_projection(x, gain, weight):
+    """RMSNorm(x; gain) @ weight.T over the last dim, without materialising the normalised x."""
+    return _RMSProjection.apply(x, weight * gain)
 
 
 class HyperConnection(StreamConnection):
@@ -255,9 +286,7 @@ class HyperConnection(StreamConnection):
         p = torch.tanh(_fused_rms_projection(x, self.norm_gain, self.proj.weight))  # (B, T, n, n+2)
         alpha = self.static_alpha + self.scale_alpha * p[..., : n + 1]
         beta = self.static_beta + self.scale_beta * p[..., n + 1]
-        # Contiguous copies (tiny): CPU bmm loops matrix by matrix over strided operands.
-        return {"h_pre": alpha[..., 0].contiguous(), "h_post": beta,
-                "h_res": alpha[..., 1:].transpose(-1, -2).contiguous()}
+        return {"h_pre": alpha[..., 0], "h_post": beta, "h_res": alpha[..., 1:].transpose(-1, -2)}
 
 
 class ManifoldConnectionBase(StreamConnection):
