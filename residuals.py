@@ -191,7 +191,8 @@ class StreamConnection(nn.Module):
             # One matmul reads x once for both: row 0 of the product is u, rows 1..n are h_res x.
             mixer = torch.cat([coeffs["h_pre"].unsqueeze(-2), coeffs["h_res"]], dim=-2)  # (B, T, n+1, n)
             branch_input, mixed = (mixer @ x).split([1, self.n_streams], dim=-2)
-        return coeffs, branch_input.squeeze(-2), mixed
+        # A copy of u, so that the branch (which saves its input) does not keep the whole product alive.
+        return coeffs, branch_input.squeeze(-2).contiguous(), mixed
 
     def forward(self, x, branch):
         if self.recompute and torch.is_grad_enabled():
