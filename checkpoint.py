@@ -17,6 +17,8 @@ from model import GPT, GPTConfig
 REQUIRED_KEYS = ("model", "model_args", "config", "step")
 # Config keys that decide what a run is; resuming with another value would train a different model.
 RUN_IDENTITY_KEYS = ("residual", "size", "n_streams")
+# Model settings that change how the same model is computed, not what it is; free to change on resume.
+EXECUTION_KEYS = ("fused_connections",)
 
 
 class CheckpointError(Exception):
@@ -72,7 +74,8 @@ def check_same_run(ckpt, config, path):
 
 def check_same_model(ckpt, model_args, path):
     saved = ckpt["model_args"]
-    differ = sorted(k for k in set(saved) | set(model_args) if saved.get(k) != model_args.get(k))
+    differ = sorted(k for k in set(saved) | set(model_args)
+                    if k not in EXECUTION_KEYS and saved.get(k) != model_args.get(k))
     if differ:
         pairs = ", ".join(f"{k}: checkpoint {saved.get(k)!r} vs run {model_args.get(k)!r}" for k in differ)
         raise CheckpointError(f"{path} holds a different model ({pairs})")

@@ -30,6 +30,7 @@ CHOICES = {
     "init_from": ("scratch", "resume"),
     "dtype": ("auto", "float32", "bfloat16"),
     "compile": ("auto", "true", "false"),
+    "stream_dtype": ("float32", "bfloat16"),
 }
 
 
@@ -54,6 +55,8 @@ class TrainConfig:
     dropout: float = 0.0
     bias: bool = False
     recompute_connections: bool = False
+    stream_dtype: str = "float32"  # the HC family's n streams stored in float32 or bfloat16
+    fused_connections: bool = True  # Triton kernels for the HC family on CUDA (False: residuals.py)
     n_layer: typing.Optional[int] = None  # shape overrides of the size preset
     n_head: typing.Optional[int] = None
     n_embd: typing.Optional[int] = None

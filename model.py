@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import fused_connections
 from residuals import RESIDUALS, expand_streams, reduce_streams
 
 MODEL_SIZES = {
@@ -27,6 +28,9 @@ def model_shape(size: str) -> dict:
     if size not in MODEL_SIZES:
         raise ValueError(f"unknown size '{size}'; valid: {', '.join(MODEL_SIZES)}")
     return dict(MODEL_SIZES[size])
+
+
+STREAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -45,6 +49,8 @@ class GPTConfig:
     perm_seed: int = 0
     sinkhorn_iters: int = 20
     recompute_connections: bool = False
+    stream_dtype: str = "float32"  # storage of the HC family's n streams: float32 or bfloat16
+    fused_connections: bool = True  # Triton kernels for the HC family where CUDA and Triton are there
 
     def __post_init__(self):
         if self.residual not in RESIDUALS:
@@ -55,6 +61,8 @@ class GPTConfig:
             raise ValueError(f"n_streams must be >= 1, got {self.n_streams}")
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        if self.stream_dtype not in STREAM_DTYPES:
+            raise ValueError(f"unknown stream_dtype '{self.stream_dtype}'; valid: {', '.join(STREAM_DTYPES)}")
 
 
 def connection_options(config: GPTConfig) -> dict:
@@ -109,6 +117,7 @@ class Block(nn.Module):
         options = dict(recompute=config.recompute_connections, **connection_options(config))
         self.attn_connection = connection(config.n_embd, config.n_streams, 2 * layer_index, **options)
         self.mlp_connection = connection(config.n_embd, config.n_streams, 2 * layer_index + 1, **options)
+        self.fused_connections = config.fused_connections
 
     def attn_branch(self, x):
         return self.attn(self.ln_1(x))
@@ -116,9 +125,15 @@ class Block(nn.Module):
     def mlp_branch(self, x):
         return self.mlp(self.ln_2(x))
 
+    def connect(self, connection, x, branch):
+        """connection(x, branch), through the fused kernels when they can run here."""
+        if self.fused_connections and fused_connections.supported(connection, x):
+            return fused_connections.connection_forward(connection, x, branch)
+        return connection(x, branch)
+
     def forward(self, x):
-        x = self.attn_connection(x, self.attn_branch)
-        x = self.mlp_connection(x, self.mlp_branch)
+        x = self.connect(self.attn_connection, x, self.attn_branch)
+        x = self.connect(self.mlp_connection, x, self.mlp_branch)
         return x
 
 
@@ -161,6 +176,8 @@ class GPT(nn.Module):
         pos = torch.arange(0, T, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         x = expand_streams(x, self.config.n_streams)
+        if self.config.residual != "res":  # res keeps nanoGPT's fp32 residual stream
+            x = x.to(STREAM_DTYPES[self.config.stream_dtype])
         for block in self.transformer.h:
             x = block(x)
         x = self.transformer.ln_f(reduce_streams(x))

@@ -12,11 +12,17 @@ view. Per token, the HC family computes (SPEC section 2)
     u           = sum_i h_pre[i] * x[i]                            (branch input)
     x_next[i]   = sum_j h_res[i, j] * x[j] + h_post[i] * f(u)
 
-and the variants differ only in how h_pre, h_post and h_res are made from x. All coefficient
-math runs in fp32, also under bf16 autocast, so that mhclite's h_res is doubly stochastic to
-fp32 rounding. The residual state itself stays fp32, like nanoGPT's residual stream.
+and the variants differ only in how h_pre, h_post and h_res are made from x: an RMS-normalised
+projection p of x (`projection_rows`, `projection_weight`), then `coefficients_from_projection(p)`.
+Precision: under bf16 autocast the projection GEMM runs in bf16 (any logits give an exact h_res);
+everything after it (RMS factor, sigmoid/tanh/softmax, Sinkhorn, the permutation combination) runs
+in fp32, and mhclite combines its permutation matrices with exact products and fp32 sums, never a
+matmul, so its h_res is doubly stochastic to fp32 rounding whatever the float32 matmul precision
+(TF32 or not). The mixing computes in fp32 and the output keeps the dtype of x: streams stored in
+float32 (nanoGPT's residual stream) or bfloat16 (the model's `stream_dtype`).
 
-This file depends on torch only, so it can be copied into other models.
+This file depends on torch only, so it can be copied into other models. fused_connections.py holds
+Triton kernels for the same computation, tested against this file.
 """
 
 import contextlib
@@ -117,8 +123,29 @@ def expand_streams(x: torch.Tensor, n_streams: int) -> torch.Tensor:
 
 
 def reduce_streams(x: torch.Tensor) -> torch.Tensor:
-    """(B, T, n, C) -> (B, T, C): the streams summed."""
-    return x.sum(dim=-2)
+    """(B, T, n, C) -> (B, T, C): the streams summed (in fp32 for bf16 streams)."""
+    return x.sum(dim=-2, dtype=at_least_fp32(x).dtype)
+
+
+def mix_streams(mixer: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """sum_j mixer[..., r, j] * x[..., j, :] for mixer (..., R, n) and x (..., n, C): (..., R, C).
+
+    On CPU one batched matmul is fastest. On CUDA a matmul with n = 4 is a tiny-matrix bmm (slow,
+    and TF32 would round the coefficients), so there it is n multiply-adds, which inductor fuses.
+    """
+    if x.device.type != "cuda":
+        return mixer @ x
+    out = mixer[..., :, 0, None] * x[..., None, 0, :]
+    for j in range(1, x.shape[-2]):
+        out = torch.addcmul(out, mixer[..., :, j, None], x[..., None, j, :])
+    return out
+
+
+def autocast_matmul_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast would give a matmul on this device now, or None outside autocast."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -170,9 +197,11 @@ class Residual(nn.Module):
 
 
 class StreamConnection(nn.Module):
-    """Shared part of hc, mhc and mhclite: the pre-aggregation and the mixing with h_res/h_post.
+    """Shared part of hc, mhc and mhclite: the projection, the pre-aggregation and the mixing.
 
-    Subclasses implement `coefficients(x) -> dict` with fp32 "h_pre" (B, T, n), "h_post" (B, T, n),
+    Subclasses define `projection_rows(x)` (the rows that are RMS-normalised and projected),
+    `projection_weight()` (the projection with the norm gain folded in) and
+    `coefficients_from_projection(p) -> dict` with fp32 "h_pre" (B, T, n), "h_post" (B, T, n),
     "h_res" (B, T, n, n) and any extra entries worth recording for analysis.
     """
 
@@ -186,14 +215,20 @@ class StreamConnection(nn.Module):
         self.stream_index = wrapper_index % n_streams  # the stream this wrapper reads at init
         self.recompute = recompute
 
+    def coefficients(self, x, matmul_dtype=None):
+        """The coefficients of x (fp32); the projection GEMM in matmul_dtype when given."""
+        p = _RMSProjection.apply(self.projection_rows(x), self.projection_weight(), matmul_dtype)
+        return self.coefficients_from_projection(p)
+
     def _pre(self, x):
-        """The coefficients, the branch input u and the mixed streams h_res x."""
+        """The coefficients, the branch input u and the mixed streams h_res x (all fp32)."""
+        matmul_dtype = autocast_matmul_dtype(x.device.type)
         with torch.autocast(x.device.type, enabled=False):
             x = at_least_fp32(x)
-            coeffs = self.coefficients(x)
-            # One matmul reads x once for both: row 0 of the product is u, rows 1..n are h_res x.
+            coeffs = self.coefficients(x, matmul_dtype)
+            # One pass over x for both: row 0 of the product is u, rows 1..n are h_res x.
             mixer = torch.cat([coeffs["h_pre"].unsqueeze(-2), coeffs["h_res"]], dim=-2)  # (B, T, n+1, n)
-            branch_input, mixed = (mixer @ x).split([1, self.n_streams], dim=-2)
+            branch_input, mixed = mix_streams(mixer, x).split([1, self.n_streams], dim=-2)
         # A copy of u, so that the branch (which saves its input) does not keep the whole product alive.
         return coeffs, branch_input.squeeze(-2).contiguous(), mixed
 
@@ -203,12 +238,10 @@ class StreamConnection(nn.Module):
             coeffs, branch_input, mixed = checkpoint(self._pre, x, use_reentrant=False)
         else:
             coeffs, branch_input, mixed = self._pre(x)
-        if _capture_records is not None:
-            _capture_records.append({"wrapper": self.wrapper_index, "residual": self.name,
-                                     **{key: value.detach().float() for key, value in coeffs.items()}})
+        record_coefficients(self, coeffs)
         y = branch(branch_input)
         with torch.autocast(x.device.type, enabled=False):
-            return torch.addcmul(mixed, coeffs["h_post"].unsqueeze(-1), y.unsqueeze(-2))
+            return torch.addcmul(mixed, coeffs["h_post"].unsqueeze(-1), y.unsqueeze(-2)).to(x.dtype)
 
     def mixing_flops_per_token(self) -> int:
         """Forward FLOPs per token besides the projection (whose weights count in 6N):
@@ -217,21 +250,30 @@ class StreamConnection(nn.Module):
         return 2 * n * n * c + 6 * n * c
 
 
+def record_coefficients(module, coeffs):
+    """Hand a connection's coefficients to an active capture_connections() context."""
+    if _capture_records is not None:
+        _capture_records.append({"wrapper": module.wrapper_index, "residual": module.name,
+                                 **{key: value.detach().float() for key, value in coeffs.items()}})
+
+
 class _RMSProjection(torch.autograd.Function):
     """(x @ w.T) * rsqrt(mean(x^2) + eps) over the last dim, with a hand-written backward.
 
     This is RMSNorm(x; gain) @ weight.T with the gain folded into w = weight * gain. The normalised
     copy of x is never materialised, and the backward makes one matmul and one fused multiply-add
-    over x, where autograd's backward of the norm alone makes several full passes. With
+    over x, where autograd's backward of the norm alone makes several full passes. The two GEMMs
+    run in matmul_dtype when given (bf16 under autocast), the RMS factor always in fp32. With
     y = z * r, z = x w^T, r = rsqrt(mean(x^2) + eps) and dr/dx = -r^3 x / D:
         grad_w = (grad_y * r)^T x,   grad_x = (grad_y * r) w - x * r^3 / D * sum(grad_y * z).
     """
 
     @staticmethod
-    def forward(ctx, x, w):
+    def forward(ctx, x, w, matmul_dtype):
         mean_square = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() / x.shape[-1]
         rms_inv = torch.rsqrt(mean_square + RMS_EPS)
-        z = x @ w.t()
+        z = _matmul(x, w.t(), matmul_dtype, x.dtype)
+        ctx.matmul_dtype = matmul_dtype
         ctx.save_for_backward(x, w, z, rms_inv)
         return z * rms_inv
 
@@ -239,15 +281,19 @@ class _RMSProjection(torch.autograd.Function):
     def backward(ctx, grad_y):
         x, w, z, rms_inv = ctx.saved_tensors
         grad_z = grad_y * rms_inv
-        grad_w = grad_z.reshape(-1, grad_z.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+        grad_w = _matmul(grad_z.reshape(-1, grad_z.shape[-1]).t(), x.reshape(-1, x.shape[-1]), ctx.matmul_dtype,
+                         w.dtype)
         grad_rms_inv = (grad_y * z).sum(-1, keepdim=True)
-        grad_x = torch.addcmul(grad_z @ w, x, grad_rms_inv * rms_inv.pow(3) / -x.shape[-1])
-        return grad_x, grad_w
+        grad_x = torch.addcmul(_matmul(grad_z, w, ctx.matmul_dtype, x.dtype), x,
+                               grad_rms_inv * rms_inv.pow(3) / -x.shape[-1])
+        return grad_x, grad_w, None
 
 
-def _fused_rms_projection(x, gain, weight):
-    """RMSNorm(x; gain) @ weight.T over the last dim, without materialising the normalised x."""
-    return _RMSProjection.apply(x, weight * gain)
+def _matmul(a, b, operand_dtype, out_dtype):
+    """a @ b with both operands in operand_dtype (None: as they are), returned in out_dtype."""
+    if operand_dtype is None or operand_dtype == a.dtype:
+        return a @ b
+    return (a.to(operand_dtype) @ b.to(operand_dtype)).to(out_dtype)
 
 
 class HyperConnection(StreamConnection):
@@ -285,9 +331,15 @@ class HyperConnection(StreamConnection):
         self.scale_alpha.fill_(0.01)
         self.scale_beta.fill_(0.01)
 
-    def coefficients(self, x):
+    def projection_rows(self, x):
+        return x  # every stream normalised and projected on its own: (B, T, n, C)
+
+    def projection_weight(self):
+        return self.proj.weight * self.norm_gain
+
+    def coefficients_from_projection(self, p):
         n = self.n_streams
-        p = torch.tanh(_fused_rms_projection(x, self.norm_gain, self.proj.weight))  # (B, T, n, n+2)
+        p = torch.tanh(p)  # (B, T, n, n+2)
         alpha = self.static_alpha + self.scale_alpha * p[..., : n + 1]
         beta = self.static_beta + self.scale_beta * p[..., n + 1]
         return {"h_pre": alpha[..., 0], "h_post": beta, "h_res": alpha[..., 1:].transpose(-1, -2)}
@@ -320,9 +372,14 @@ class ManifoldConnectionBase(StreamConnection):
         for scale in (self.scale_pre, self.scale_post, self.scale_res):
             scale.fill_(0.01)
 
-    def coefficients(self, x):
+    def projection_rows(self, x):
+        return x.flatten(-2)  # one RMSNorm over all n*C entries: (B, T, n*C)
+
+    def projection_weight(self):
+        return self.proj.weight * self.norm_gain
+
+    def coefficients_from_projection(self, p):
         n = self.n_streams
-        p = _fused_rms_projection(x.flatten(-2), self.norm_gain, self.proj.weight)  # (B, T, 2n+R)
         pre, post, res = p.split([n, n, self.res_logits], dim=-1)
         coeffs = self.residual_matrix(self.scale_res * res + self.bias_res)
         coeffs["h_pre"] = torch.sigmoid(self.scale_pre * pre + self.bias_pre)
@@ -380,7 +437,8 @@ class ManifoldHyperConnectionLite(ManifoldConnectionBase):
 
     def residual_matrix(self, logits):
         weights = torch.softmax(logits, dim=-1)
-        h_res = (weights @ self.perm_matrices).unflatten(-1, (self.n_streams, self.n_streams))
+        # Exact 0/1 products and fp32 sums; a matmul here would round the weights under TF32.
+        h_res = (weights.unsqueeze(-1) * self.perm_matrices).sum(-2).unflatten(-1, (self.n_streams, self.n_streams))
         return {"h_res": h_res, "perm_weights": weights}
 
 

@@ -336,7 +336,8 @@ def build_model_config(cfg, vocab_size):
     return GPTConfig(block_size=cfg.block_size, vocab_size=vocab_size, dropout=cfg.dropout, bias=cfg.bias,
                      residual=cfg.residual, n_streams=cfg.n_streams, mhclite_perms=cfg.mhclite_perms,
                      mhclite_perm_sampling=cfg.mhclite_perm_sampling, perm_seed=cfg.perm_seed,
-                     sinkhorn_iters=cfg.sinkhorn_iters, recompute_connections=cfg.recompute_connections, **shape)
+                     sinkhorn_iters=cfg.sinkhorn_iters, recompute_connections=cfg.recompute_connections,
+                     stream_dtype=cfg.stream_dtype, fused_connections=cfg.fused_connections, **shape)
 
 
 def start_wandb(cfg):
