@@ -3,13 +3,15 @@
     python train.py configs/owt.py configs/S.py configs/mhclite.py --max_iters=2000 --seed=1
 
 Config files are plain Python assignment files (`n_layer = 6`), applied left to right; then
-`--key=value` overrides. Every value is coerced to its field's type and checked, so a typo or a
-wrong type is one clear `ConfigError` line instead of a failure deep inside training.
+`--key=value` overrides. Every value is coerced to its field's type and checked (the choices, and
+the valid range of every numeric setting in RANGES), so a typo, a wrong type or a value out of
+range is one clear `ConfigError` line instead of a failure deep inside training.
 Config files may not set `dataset`, `size` or `residual` differently from an earlier file
 (composing configs/S.py with configs/M.py is a mistake); a command-line override always wins.
 """
 
 import ast
+import math
 import os
 import re
 import typing
@@ -32,6 +34,36 @@ CHOICES = {
     "compile": ("auto", "true", "false"),
     "stream_dtype": ("float32", "bfloat16"),
 }
+
+
+# Valid ranges of the numeric settings: (key, test, requirement as the error states it).
+# Unset optional settings (None) are skipped; debug_nan_at_step is a test hook, any int.
+RANGES = (
+    ("n_streams", lambda v: v >= 1, ">= 1"),
+    ("mhclite_perms", lambda v: v >= 1, ">= 1 (or None: all n! permutations)"),
+    ("sinkhorn_iters", lambda v: v >= 1, ">= 1"),
+    ("block_size", lambda v: v >= 1, ">= 1"),
+    ("dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("n_layer", lambda v: v >= 1, ">= 1"),
+    ("n_head", lambda v: v >= 1, ">= 1"),
+    ("n_embd", lambda v: v >= 1, ">= 1"),
+    ("learning_rate", lambda v: v > 0, "> 0"),
+    ("min_lr", lambda v: v >= 0, ">= 0"),
+    ("weight_decay", lambda v: v >= 0, ">= 0"),
+    ("beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("grad_clip", lambda v: v >= 0, ">= 0 (0 disables clipping)"),
+    ("warmup_iters", lambda v: v >= 0, ">= 0"),
+    ("max_iters", lambda v: v >= 1, ">= 1"),
+    ("lr_decay_iters", lambda v: v >= 1, ">= 1"),  # after max_iters, its default
+    ("batch_size", lambda v: v >= 1, ">= 1"),
+    ("gradient_accumulation_steps", lambda v: v >= 1, ">= 1"),
+    ("eval_interval", lambda v: v >= 1, ">= 1"),
+    ("eval_iters", lambda v: v >= 1, ">= 1"),
+    ("log_interval", lambda v: v >= 1, ">= 1"),
+    ("peak_flops", lambda v: v > 0, "> 0 (or None: looked up from the GPU name)"),
+    ("seed", lambda v: 0 <= v < 2**31, "in [0, 2**31) (numpy seeds rank r with seed + r)"),
+)
 
 
 class ConfigError(ValueError):
@@ -227,6 +259,25 @@ def load_config(argv):
     return cfg
 
 
+def check_ranges(cfg, min_lr_from_size=False):
+    """Every numeric setting inside its valid range, else one ConfigError line naming it."""
+    for key, valid, requirement in RANGES:
+        value = getattr(cfg, key)
+        if value is None:  # an optional setting left unset
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key} must be a finite number, got {value}")
+        if not valid(value):
+            raise ConfigError(f"{key} must be {requirement}, got {value}")
+    if cfg.min_lr > cfg.learning_rate:
+        origin = f" (the default for size {cfg.size}; set --min_lr)" if min_lr_from_size else ""
+        raise ConfigError(f"min_lr={cfg.min_lr}{origin} must be <= learning_rate={cfg.learning_rate}")
+    if cfg.lr_decay_iters <= cfg.warmup_iters < cfg.max_iters:
+        # a run that never leaves warmup (a short smoke test) is fine; past it, the lr would jump
+        raise ConfigError(f"warmup_iters={cfg.warmup_iters} must be < lr_decay_iters={cfg.lr_decay_iters}: "
+                          f"after warmup the lr would drop straight to min_lr with no cosine decay")
+
+
 def resolve(cfg):
     """Fill the derived defaults and check the values that have a fixed set of choices."""
     if cfg.size not in MODEL_SIZES:
@@ -238,17 +289,15 @@ def resolve(cfg):
             raise ConfigError(f"unknown {key} '{getattr(cfg, key)}'; valid: {', '.join(choices)}")
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device):
         raise ConfigError(f"unknown device '{cfg.device}'; valid: auto, cpu, cuda, cuda:N")
-    for key in ("max_iters", "batch_size", "block_size", "gradient_accumulation_steps",
-                "eval_interval", "eval_iters", "log_interval"):
-        if getattr(cfg, key) < 1:
-            raise ConfigError(f"{key} must be >= 1, got {getattr(cfg, key)}")
     default_lr, default_min_lr = SIZE_LEARNING_RATES[cfg.size]
+    min_lr_from_size = cfg.min_lr is None
     if cfg.learning_rate is None:
         cfg.learning_rate = default_lr
     if cfg.min_lr is None:
         cfg.min_lr = default_min_lr
     if cfg.lr_decay_iters is None:
         cfg.lr_decay_iters = cfg.max_iters
+    check_ranges(cfg, min_lr_from_size)
     if cfg.out_dir is None:
         cfg.out_dir = os.path.join(REPO_DIR, "out", f"{cfg.dataset}-{cfg.size}-{cfg.residual}-s{cfg.seed}")
     if cfg.wandb_run_name is None:

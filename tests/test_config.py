@@ -148,3 +148,71 @@ def test_train_cli_prints_one_error_line_and_exits_2(args, words):
     assert len(lines) == 1 and lines[0].startswith("error: ")
     for word in words:
         assert word in lines[0]
+
+
+@pytest.mark.parametrize("arg, words", [
+    ("--learning_rate=-1", ["learning_rate must be > 0", "-1.0"]),
+    ("--learning_rate=0", ["learning_rate must be > 0"]),
+    ("--learning_rate=nan", ["learning_rate must be a finite number"]),
+    ("--learning_rate=inf", ["learning_rate must be a finite number"]),
+    ("--min_lr=-1e-5", ["min_lr must be >= 0"]),
+    ("--min_lr=1e-2", ["min_lr=0.01 must be <= learning_rate=0.0006"]),
+    ("--beta1=-0.1", ["beta1 must be in [0, 1)"]),
+    ("--beta1=1", ["beta1 must be in [0, 1)"]),
+    ("--beta2=1.5", ["beta2 must be in [0, 1)"]),
+    ("--weight_decay=-0.1", ["weight_decay must be >= 0"]),
+    ("--warmup_iters=-1", ["warmup_iters must be >= 0"]),
+    ("--lr_decay_iters=0", ["lr_decay_iters must be >= 1"]),
+    ("--lr_decay_iters=100", ["warmup_iters=200 must be < lr_decay_iters=100"]),
+    ("--max_iters=0", ["max_iters must be >= 1"]),
+    ("--eval_interval=0", ["eval_interval must be >= 1"]),
+    ("--log_interval=-5", ["log_interval must be >= 1"]),
+    ("--eval_iters=0", ["eval_iters must be >= 1"]),
+    ("--gradient_accumulation_steps=0", ["gradient_accumulation_steps must be >= 1"]),
+    ("--block_size=0", ["block_size must be >= 1"]),
+    ("--dropout=1", ["dropout must be in [0, 1)"]),
+    ("--dropout=-0.1", ["dropout must be in [0, 1)"]),
+    ("--grad_clip=-1", ["grad_clip must be >= 0"]),
+    ("--n_streams=0", ["n_streams must be >= 1"]),
+    ("--sinkhorn_iters=0", ["sinkhorn_iters must be >= 1"]),
+    ("--mhclite_perms=0", ["mhclite_perms must be >= 1"]),
+    ("--n_layer=0", ["n_layer must be >= 1"]),
+    ("--n_head=-2", ["n_head must be >= 1"]),
+    ("--n_embd=0", ["n_embd must be >= 1"]),
+    ("--peak_flops=0", ["peak_flops must be > 0"]),
+    ("--seed=-1", ["seed must be in [0, 2**31)"]),
+])
+def test_numeric_settings_out_of_range_give_one_clear_line(arg, words):
+    with pytest.raises(ConfigError) as info:
+        load_config([arg])
+    message = str(info.value)
+    assert "\n" not in message
+    for word in words:
+        assert word in message
+
+
+def test_a_min_lr_left_at_the_size_default_says_so():
+    with pytest.raises(ConfigError, match=r"min_lr=6e-05 \(the default for size M; set --min_lr\) must be <= "):
+        load_config(["--learning_rate=1e-5"])
+    assert load_config(["--learning_rate=1e-5", "--min_lr=1e-6"]).min_lr == 1e-6
+
+
+@pytest.mark.parametrize("args", [
+    ["--learning_rate=1e-3", "--min_lr=1e-3"],  # constant after warmup
+    ["--min_lr=0", "--grad_clip=0", "--weight_decay=0", "--warmup_iters=0", "--beta1=0", "--dropout=0.5"],
+    ["--max_iters=100"],  # a smoke run that never leaves the default 200-step warmup
+    ["--warmup_iters=100", "--lr_decay_iters=101"],
+    ["--mhclite_perms=None", "--peak_flops=None", "--debug_nan_at_step=-1", "--seed=0"],
+])
+def test_values_at_the_edges_of_their_ranges_are_accepted(args):
+    load_config(args)
+
+
+def test_train_cli_rejects_a_negative_learning_rate_with_one_line():
+    proc = subprocess.run([sys.executable, os.path.join(REPO_DIR, "train.py"), "configs/shakespeare.py",
+                           "configs/tiny.py", "--learning_rate=-1"], cwd=REPO_DIR, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0] == "error: learning_rate must be > 0, got -1.0", proc.stderr
+    assert "Traceback" not in proc.stderr
