@@ -1,4 +1,5 @@
-"""Checkpoints: atomic save, load with one-line errors, and model loading for analysis.
+"""Checkpoints: atomic save, cleanup of temporary files a killed save left, load with one-line
+errors, and model loading for analysis and sampling.
 
 A checkpoint written by train.py is a dict with keys model (state dict without `_orig_mod.`),
 model_args (GPTConfig as a dict), config (TrainConfig as a dict), optimizer, step,
@@ -7,7 +8,10 @@ training-batch generator). It holds only tensors and plain Python values, so it 
 torch.load(weights_only=True) and never runs pickled code.
 """
 
+import contextlib
+import fcntl
 import os
+import re
 import tempfile
 
 import torch
@@ -26,24 +30,68 @@ class CheckpointError(Exception):
 
 
 def save_checkpoint(path, obj):
-    """Write obj with torch.save to a temporary file in the same directory, fsync it, then rename
-    it over `path`: a crash at any moment leaves either the old file or the new one, whole."""
+    """Write obj with torch.save to a temporary file `<path>.<random>.tmp` in the same directory,
+    fsync it, then rename it over `path`: a crash at any moment leaves either the old file or the
+    new one, whole. The writer holds an exclusive flock on the temporary file until it is renamed,
+    so remove_stale_temp_files can tell a save in progress from one whose process died."""
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp_path = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+    f, tmp_path = _locked_temp_file(path)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with f:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp_path, path)
+            os.replace(tmp_path, path)  # still locked: never an unlocked file under a temp name
     except BaseException:
-        os.unlink(tmp_path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp_path)
         raise
     dir_fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(dir_fd)  # make the rename itself durable
     finally:
         os.close(dir_fd)
+
+
+def _locked_temp_file(path):
+    """(file open for writing, its path): a new temporary file next to `path`, flock-ed by us."""
+    directory = os.path.dirname(os.path.abspath(path))
+    while True:
+        fd, tmp_path = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+        f = os.fdopen(fd, "wb")
+        fcntl.flock(f, fcntl.LOCK_EX)
+        if os.fstat(f.fileno()).st_nlink:
+            return f, tmp_path
+        f.close()  # a cleaner removed it before we held the lock; take a fresh one
+
+
+def remove_stale_temp_files(path):
+    """Delete the temporary files that save_checkpoint(path, ...) left when its process died
+    mid-save (kill -9, out of memory, a lost node); at size M each is 1.5 GB. A file whose
+    exclusive flock can be taken has no live writer; one still locked is kept. Returns
+    (number of files removed, bytes freed)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    pattern = re.compile(re.escape(os.path.basename(path)) + r"\.\w+\.tmp")
+    removed, freed = 0, 0
+    names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+    for name in names:
+        tmp_path = os.path.join(directory, name)
+        if not pattern.fullmatch(name) or not os.path.isfile(tmp_path):
+            continue
+        try:
+            f = open(tmp_path, "rb")
+        except OSError:
+            continue  # gone already, or not ours to read
+        with f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a live writer holds it
+            size = os.fstat(f.fileno()).st_size
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp_path)
+                removed, freed = removed + 1, freed + size
+    return removed, freed
 
 
 def load_checkpoint(path):

@@ -45,7 +45,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoint import CheckpointError, check_same_model, check_same_run, load_checkpoint, save_checkpoint
+from checkpoint import (CheckpointError, check_same_model, check_same_run, load_checkpoint, remove_stale_temp_files,
+                        save_checkpoint)
 from config import ConfigError, TrainConfig, load_config
 from model import GPT, GPTConfig, model_shape
 
@@ -420,6 +421,10 @@ def train(cfg, ddp, rank, world_size, device):
             json.dump(asdict(cfg), f, indent=2)
         if os.path.exists(done_path) and step < cfg.max_iters:
             os.remove(done_path)
+        removed, freed = remove_stale_temp_files(ckpt_path)
+        if removed:
+            log(f"removed {removed} stale checkpoint temp file(s) in {cfg.out_dir} ({freed / 1e6:.1f} MB), "
+                f"left by a save that was killed")
         log(f"{cfg.residual} {cfg.size}: {raw_model.get_num_params() / 1e6:.2f}M parameters, "
             f"{tokens_per_step:,} tokens/step on {world_size} x {device.type} ({dtype}), "
             f"{'resuming at' if step else 'starting at'} step {step} of {cfg.max_iters} -> {cfg.out_dir}")
