@@ -130,6 +130,7 @@ def test_weight_decay_groups_follow_spec():
     (dict(residual="hc", n_streams=0), "n_streams must be >= 1"),
     (dict(n_embd=100, n_head=3), "not divisible"),
     (dict(residual="mhclite", n_streams=6), "needs a permutation budget mhclite_perms"),
+    (dict(residual="hc", stream_dtype="float16"), "unknown stream_dtype 'float16'; valid: float32, bfloat16"),
 ])
 def test_config_errors_are_one_line(overrides, message):
     with pytest.raises(ValueError, match=message) as error:
@@ -198,3 +199,71 @@ def test_compiled_graph_matches_eager(residual):
     torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-5, atol=1e-6)
     for name, grad in eager_grads.items():
         torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("residual", ["hc", "mhc", "mhclite"])
+def test_bfloat16_streams_are_stored_in_bfloat16_and_track_float32(residual):
+    """stream_dtype=bfloat16 stores every connection's input and output in bf16, computes in fp32
+    inside, keeps mhclite exact, and stays close to the fp32-stream model."""
+    results = {}
+    for stream_dtype in ("float32", "bfloat16"):
+        torch.manual_seed(0)
+        model = GPT(tiny(residual, stream_dtype=stream_dtype))
+        seen = []
+        hooks = [m.register_forward_hook(lambda m, args, out: seen.append((args[0].dtype, out.dtype)))
+                 for m in model.connections()]
+        with capture_connections() as records:
+            _, loss = model(tokens(), tokens(seed=1))
+        loss.backward()
+        for hook in hooks:
+            hook.remove()
+        expected = getattr(torch, stream_dtype)
+        assert seen and all(pair == (expected, expected) for pair in seen)
+        if residual == "mhclite":
+            h = torch.cat([r["h_res"].flatten(0, -3) for r in records])
+            assert (h.sum(-1) - 1).abs().max() < 1e-6 and (h.sum(-2) - 1).abs().max() < 1e-6
+        results[stream_dtype] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+    (loss32, grads32), (loss16, grads16) = results["float32"], results["bfloat16"]
+    torch.testing.assert_close(loss16, loss32, rtol=1e-2, atol=1e-2)
+    for name, grad in grads32.items():
+        assert torch.isfinite(grads16[name]).all(), name
+    name = "transformer.wte.weight"  # the tied LM head
+    cosine = torch.nn.functional.cosine_similarity(grads16[name].flatten(), grads32[name].flatten(), dim=0)
+    assert cosine > 0.99
+
+
+def test_res_ignores_stream_dtype():
+    torch.manual_seed(0)
+    fp32 = GPT(tiny("res"))
+    torch.manual_seed(0)
+    bf16 = GPT(tiny("res", stream_dtype="bfloat16"))
+    torch.testing.assert_close(bf16(tokens(), tokens(seed=1))[1], fp32(tokens(), tokens(seed=1))[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("residual", ["hc", "mhc", "mhclite"])
+def test_compiled_graph_matches_eager_under_autocast_with_bfloat16_streams(residual):
+    """The bf16 projection GEMM (autocast's dtype read inside the connection) and bf16 streams
+    trace without graph breaks and compute what eager computes. Connection parameters are moved
+    off their init, where many of their gradients are zero."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT(tiny(residual, stream_dtype="bfloat16"))
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in (p for m in model.connections() for p in m.parameters()):
+            p.add_(0.3 * torch.randn(p.shape, generator=generator))
+    runs = [(model, False), (model, True), (torch.compile(model, backend="aot_eager", fullgraph=True), True)]
+    losses, grads = [], []
+    for run, autocast in runs:
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            _, loss = run(tokens(), tokens(seed=1))
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    fp32, eager, compiled = grads
+    torch.testing.assert_close(losses[2], losses[1], rtol=1e-3, atol=1e-3)
+    # bf16 rounding differs between any two op orders, so the compiled gradient is held to eager's
+    # accuracy against the fp32 model rather than to eager's bits.
+    eager_error, compiled_error = ((g - fp32).norm() / fp32.norm() for g in (eager, compiled))
+    assert compiled_error <= 1.25 * eager_error + 1e-3

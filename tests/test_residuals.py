@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from residuals import (RESIDUALS, HyperConnection, ManifoldHyperConnection, ManifoldHyperConnectionLite,
                        capture_connections, permutation_matrices, permutations, sinkhorn)
@@ -130,6 +131,67 @@ def test_mhclite_h_res_doubly_stochastic_for_large_logits(autocast):
     assert_doubly_stochastic(h)
     # Large logits really do make the weights peaky, so this is not the near-identity init.
     assert h.amax(dim=(-1, -2)).min() < 0.999 or h.std() > 0.1
+
+
+class ReducedPrecisionMatmuls(TorchDispatchMode):
+    """Emulates TF32 (or bf16) float32 matmuls on a CPU: every float32 operand of a matmul-family
+    op is rounded to `mantissa_bits` bits (round to nearest even) before the exact product, which is
+    what tensor cores do with TF32 (10 bits) operands. Everything else runs unchanged."""
+
+    OPS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default,
+           torch.ops.aten.baddbmm.default, torch.ops.aten.mv.default, torch.ops.aten.dot.default}
+
+    def __init__(self, mantissa_bits=10):
+        super().__init__()
+        self.drop = 23 - mantissa_bits
+        self.calls = 0
+
+    def round_operand(self, t):
+        if not (isinstance(t, torch.Tensor) and t.dtype == torch.float32):
+            return t
+        bits = t.contiguous().view(torch.int32)
+        half, lsb = 1 << (self.drop - 1), (bits >> self.drop) & 1
+        rounded = ((bits + half - 1 + lsb) >> self.drop) << self.drop
+        return rounded.view(torch.float32).view(t.shape)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.OPS:
+            self.calls += 1
+            args = tuple(self.round_operand(a) for a in args)
+        return func(*args, **kwargs)
+
+
+def test_tf32_emulation_rounds_operands_like_tf32():
+    values = torch.tensor([1.0, 1.0 + 2**-10, 1.0 + 2**-11, 1.0 + 3 * 2**-11, 1.0 + 2**-12])
+    rounded = ReducedPrecisionMatmuls(10).round_operand(values)
+    # 10 explicit mantissa bits: ties go to even, below half an ulp goes down.
+    assert rounded.tolist() == [1.0, 1.0 + 2**-10, 1.0, 1.0 + 2**-9, 1.0]
+
+
+@pytest.mark.parametrize("mantissa_bits", [10, 7])  # TF32, and bf16 ("medium" precision)
+@pytest.mark.parametrize("n, budget", [(4, None), (6, 32)])
+def test_mhclite_exact_under_reduced_precision_matmuls(mantissa_bits, n, budget):
+    """The issue seen on an H100 with allow_tf32: 2.4e-4 row/column error. The emulation makes
+    the projection (and the mixing) run with rounded operands; H_res must stay exact because its
+    permutation combination uses no matmul."""
+    mode = ReducedPrecisionMatmuls(mantissa_bits)
+    with mode:
+        h = mhclite_h_res(n=n, scale=3.0, num_perms=budget)
+    assert mode.calls > 0  # the projection GEMM went through the emulated precision
+    assert_doubly_stochastic(h)
+
+
+def test_matmul_permutation_combination_fails_under_tf32_emulation():
+    """The construction used before (softmax weights @ stacked permutation matrices) loses
+    exactness under emulated TF32, as it did on the H100; so the test above can fail."""
+    weights = torch.softmax(torch.randn(4096, 24, generator=torch.Generator().manual_seed(0)) * 3.0, dim=-1)
+    perms = permutation_matrices(4).flatten(1)
+    with ReducedPrecisionMatmuls(10):
+        h = (weights @ perms).unflatten(-1, (4, 4))
+    error = max((h.sum(-1) - 1).abs().max().item(), (h.sum(-2) - 1).abs().max().item())
+    assert error > 1e-5
+    assert_doubly_stochastic((weights @ perms).unflatten(-1, (4, 4)))  # exact at full precision
 
 
 def test_product_of_48_mhclite_matrices_stays_doubly_stochastic():
