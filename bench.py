@@ -21,7 +21,9 @@ built from the same seed. Columns:
   act MB      bytes of the tensors autograd saves for backward in one eager forward (unique storages,
               parameters excluded); device-agnostic, and what recompute_connections cuts
   peak MB     CUDA only: the variant's weights and AdamW state plus the peak extra memory of its step
-              (max_memory_allocated, reset before each of its measured steps)
+              (max_memory_allocated, reset before each step), measured with the variant alone on the
+              GPU. The timing then keeps as many variants side by side as fit in 85% of the free memory:
+              all of them, or else each variant with its baseline (timing_group in the JSON).
   x res       the ratio to res (to mhc with the same n in the n/K sweep)
 Results go to stdout as Markdown and to --json (default
 out/bench/<size>-<device>-<dtype>[-compiled][-sweep].json). docs/benchmarks.md has measured tables.
@@ -30,6 +32,7 @@ out/bench/<size>-<device>-<dtype>[-compiled][-sweep].json). docs/benchmarks.md h
 import argparse
 import contextlib
 import datetime
+import gc
 import json
 import math
 import os
@@ -45,7 +48,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from tqdm import tqdm
 
-from model import GPT, GPTConfig, connection_options, model_shape
+import fused_connections
+from model import GPT, STREAM_DTYPES, GPTConfig, connection_options, model_shape
 from residuals import RESIDUALS, permutation_matrices, sinkhorn
 from train import PEAK_FLOPS
 
@@ -55,6 +59,8 @@ DEFAULT_BATCH_BLOCK = {"tiny": (8, 128)}  # (batch_size, block_size) by size
 PAPER_BATCH_BLOCK = (16, 1024)  # every other size
 NUM_BATCHES = 4  # distinct random batches, cycled
 COMPILE_PROBE_STEPS = 5  # ordinary compiled steps timed after the first one
+MEMORY_STEPS = 2  # steps measured for a variant's peak memory, after one warm-up step
+MEMORY_BUDGET_FRACTION = 0.85  # of the free GPU memory, for the variants timed side by side
 
 
 class BenchError(Exception):
@@ -65,9 +71,10 @@ class BenchError(Exception):
 # Variants and models
 
 
-def main_variants(residuals, recompute, shape, block_size, vocab_size):
+def main_variants(residuals, recompute, shape, block_size, vocab_size, **hc_options):
     """{name: GPTConfig} for the side-by-side table; with recompute="both" every HC-family variant
-    also appears as "<name>+recompute"."""
+    also appears as "<name>+recompute". hc_options (stream_dtype, fused_connections) go to the HC
+    family; res stays nanoGPT."""
     configs = {}
     for residual in residuals:
         if residual not in HC_FAMILY:
@@ -76,18 +83,19 @@ def main_variants(residuals, recompute, shape, block_size, vocab_size):
             settings = [False, True] if recompute == "both" else [recompute == "on"]
         for recompute_connections in settings:
             name = residual + (RECOMPUTE_SUFFIX if recompute_connections else "")
+            options = hc_options if residual in HC_FAMILY else {}
             configs[name] = GPTConfig(block_size=block_size, vocab_size=vocab_size, residual=residual,
-                                      recompute_connections=recompute_connections, **shape)
+                                      recompute_connections=recompute_connections, **options, **shape)
     return configs
 
 
-def sweep_variants(n_values, k_values, recompute, shape, block_size, vocab_size):
+def sweep_variants(n_values, k_values, recompute, shape, block_size, vocab_size, **hc_options):
     """{name: GPTConfig} for the n/K sweep, and {name: baseline name}: mhc with n streams, then
     mhclite with each K <= n! (plus all n! permutations for n <= 5), each compared to that mhc."""
     configs, baselines = {}, {}
     for n in n_values:
         common = dict(block_size=block_size, vocab_size=vocab_size, n_streams=n,
-                      recompute_connections=recompute == "on", **shape)
+                      recompute_connections=recompute == "on", **hc_options, **shape)
         baseline = f"mhc n={n}"
         configs[baseline] = GPTConfig(residual="mhc", **common)
         budgets = [k for k in k_values if k <= math.factorial(n)] + ([None] if n <= 5 else [])
@@ -180,25 +188,19 @@ def rotated(names, round_index):
     return names[shift:] + names[:shift]
 
 
-def interleaved_times(steps, rounds, warmup, device, desc, before=None, after=None):
+def interleaved_times(steps, rounds, warmup, device, desc):
     """{name: [ms per measured round]}. Round r calls every step function as fn(r), in an order
-    rotated by r; `before(name)` / `after(name)` wrap each measured call outside the timing."""
+    rotated by r."""
     names = list(steps)
     times = {name: [] for name in names}
     for r in tqdm(range(rounds), desc=desc, leave=False):
         for name in rotated(names, r):
-            measured = r >= warmup
-            if measured and before:
-                before(name)
             synchronize(device)
             start = time.perf_counter()
             steps[name](r)
             synchronize(device)
-            elapsed = time.perf_counter() - start
-            if measured:
-                times[name].append(1000 * elapsed)
-                if after:
-                    after(name)
+            if r >= warmup:
+                times[name].append(1000 * (time.perf_counter() - start))
     return times
 
 
@@ -219,46 +221,104 @@ def ratio(value, baseline_value):
     return value / baseline_value if value is not None and baseline_value else None
 
 
-def bench_models(configs, baselines, args, device):
-    """Interleaved training steps of every variant: time, tokens/s, MFU and memory."""
-    models = build_models(configs, args.seed, device)
-    optimizers = {name: make_optimizer(model, device) for name, model in models.items()}
-    runners = {name: torch.compile(model) for name, model in models.items()} if args.use_compile else models
+def free_device_memory(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def isolated_memory(config, args, device):
+    """(state bytes, peak extra bytes of a step) of one variant alone on the GPU: its weights and
+    AdamW state, and the most a step allocates on top (max_memory_allocated, reset before each of
+    MEMORY_STEPS steps measured after one warm-up step, which compiles)."""
+    model = build_models({"probe": config}, args.seed, device)["probe"]
+    optimizer = make_optimizer(model, device)
+    runner = torch.compile(model) if args.use_compile else model
     batches = random_batches(NUM_BATCHES, args.batch_size, args.block_size, args.vocab_size, args.seed, device)
     ctx = autocast_context(device, args.dtype)
-
-    def step_of(name):
-        def step(r):
-            x, y = batches[r % len(batches)]
-            train_step(runners[name], optimizers[name], x, y, ctx)
-        return step
-
-    cuda = device.type == "cuda"
-    step_base, step_peak = {}, {name: 0 for name in models}
-
-    def before(name):
+    extra = 0
+    for i in range(1 + MEMORY_STEPS):
+        x, y = batches[i % len(batches)]
+        synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-        step_base[name] = torch.cuda.memory_allocated(device)
+        base = torch.cuda.memory_allocated(device)
+        train_step(runner, optimizer, x, y, ctx)
+        synchronize(device)
+        if i > 0:
+            extra = max(extra, torch.cuda.max_memory_allocated(device) - base)
+    state = state_bytes(model, optimizer)
+    del model, optimizer, runner
+    free_device_memory(device)
+    return state, extra
 
-    def after(name):
-        step_peak[name] = max(step_peak[name], torch.cuda.max_memory_allocated(device) - step_base[name])
 
-    times = interleaved_times({name: step_of(name) for name in models}, args.warmup + args.steps, args.warmup,
-                              device, "train steps", before if cuda else None, after if cuda else None)
-    summary = summarise(times, baselines)
+def timing_groups(names, baselines, memory, budget):
+    """Variants timed together. All of them when their states plus the largest step fit in the
+    budget; otherwise each variant with its baseline, so that every ratio still comes from
+    interleaved rounds in one group."""
+    def fits(group):
+        return sum(memory[n][0] for n in group) + max(memory[n][1] for n in group) <= budget
 
+    if not memory or fits(names):
+        return [list(names)]
+    groups = []
+    for name in names:
+        base = baselines.get(name)
+        if base == name or base is None:
+            continue
+        group = [base, name]
+        if not fits(group):
+            raise BenchError(f"{name} and its baseline {base} do not fit in {budget / 2**30:.1f} GiB together; "
+                             f"lower --batch_size")
+        groups.append(group)
+    return groups or [list(names)]
+
+
+def bench_models(configs, baselines, args, device):
+    """Interleaved training steps of every variant: time, tokens/s, MFU and memory. On CUDA each
+    variant's memory is first measured alone; the timing then runs in as few groups as fit."""
+    cuda = device.type == "cuda"
+    memory = {}
+    if cuda:
+        for name in tqdm(configs, desc="memory, one variant at a time", leave=False):
+            memory[name] = isolated_memory(configs[name], args, device)
+        budget = MEMORY_BUDGET_FRACTION * torch.cuda.mem_get_info(device)[0]
+    groups = timing_groups(list(configs), baselines, memory, budget if cuda else math.inf)
+    batches = random_batches(NUM_BATCHES, args.batch_size, args.block_size, args.vocab_size, args.seed, device)
+    ctx = autocast_context(device, args.dtype)
     x, y = batches[0]
     tokens_per_step = args.batch_size * args.block_size
     peak = peak_flops(args, device)
-    for name, model in models.items():
-        row = summary[name]
-        config = configs[name]
-        row.update(residual=config.residual, n_streams=config.n_streams, mhclite_perms=config.mhclite_perms,
-                   recompute=config.recompute_connections, params=model.get_num_params(),
-                   tokens_per_s=tokens_per_step / (row["median_ms"] / 1000),
-                   mfu=model.estimate_mfu(tokens_per_step, row["median_ms"] / 1000, peak) if peak else None,
-                   saved_activation_bytes=saved_activation_bytes(model, x, y, ctx),
-                   cuda_peak_bytes=state_bytes(model, optimizers[name]) + step_peak[name] if cuda else None)
+    summary = {}
+    for index, group in enumerate(groups):
+        models = build_models({name: configs[name] for name in group}, args.seed, device)
+        optimizers = {name: make_optimizer(model, device) for name, model in models.items()}
+        runners = {name: torch.compile(model) for name, model in models.items()} if args.use_compile else models
+
+        def step_of(name):
+            def step(r):
+                x, y = batches[r % len(batches)]
+                train_step(runners[name], optimizers[name], x, y, ctx)
+            return step
+
+        desc = "train steps" + (f", group {index + 1}/{len(groups)}" if len(groups) > 1 else "")
+        times = interleaved_times({name: step_of(name) for name in models}, args.warmup + args.steps, args.warmup,
+                                  device, desc)
+        for name, row in summarise(times, baselines).items():
+            if name in summary:
+                continue  # a baseline timed again in a later group keeps its first row
+            model, config = models[name], configs[name]
+            row.update(residual=config.residual, n_streams=config.n_streams, mhclite_perms=config.mhclite_perms,
+                       recompute=config.recompute_connections, stream_dtype=config.stream_dtype,
+                       fused_connections=config.fused_connections, params=model.get_num_params(),
+                       timing_group=index, tokens_per_s=tokens_per_step / (row["median_ms"] / 1000),
+                       mfu=model.estimate_mfu(tokens_per_step, row["median_ms"] / 1000, peak) if peak else None,
+                       saved_activation_bytes=saved_activation_bytes(model, x, y, ctx),
+                       cuda_peak_bytes=sum(memory[name]) if cuda else None)
+            summary[name] = row
+        del models, optimizers, runners
+        free_device_memory(device)
+    summary = {name: summary[name] for name in configs}
     for name, row in summary.items():
         base = summary.get(baselines.get(name), {})
         row["activation_ratio"] = ratio(row["saved_activation_bytes"], base.get("saved_activation_bytes"))
@@ -288,13 +348,17 @@ def connection_module(config):
                   **connection_options(config))
 
 
-def connection_step(module, x, grad, ctx):
-    """A step function: the module's forward on x with the cheap branch, and its backward."""
+def connection_step(module, x, grad, ctx, fused):
+    """A step function: the module's forward on x with the cheap branch (through the fused kernels
+    when asked for and they can run here), and its backward."""
     inputs = [x, *module.parameters()]
 
     def step(r):
         with ctx:
-            y = module(x, half)
+            if fused and fused_connections.supported(module, x):
+                y = fused_connections.connection_forward(module, x, half)
+            else:
+                y = module(x, half)
         torch.autograd.grad(y, inputs, grad)
 
     return step
@@ -307,16 +371,17 @@ def micro_connections(configs, args, device):
     steps = {}
     for name, config in configs.items():
         shape = (args.batch_size, args.block_size, config.n_streams, config.n_embd)
-        x = torch.randn(shape, generator=generator).to(device).requires_grad_()
-        grad = torch.randn(shape, generator=generator).to(device)
-        steps[name] = connection_step(connection_module(config).to(device), x, grad, ctx)
+        dtype = STREAM_DTYPES[config.stream_dtype] if config.residual in HC_FAMILY else torch.float32
+        x = torch.randn(shape, generator=generator).to(device, dtype).requires_grad_()
+        grad = torch.randn(shape, generator=generator).to(device, dtype)
+        steps[name] = connection_step(connection_module(config).to(device), x, grad, ctx, config.fused_connections)
     times = interleaved_times(steps, args.warmup + args.steps, args.warmup, device, "micro: connections")
     return summarise(times, {name: "res" for name in configs})
 
 
 def h_res_steps(n, rows, iters, seed, device):
-    """fwd + bwd of mhc's H_res (Sinkhorn on (rows, n, n) logits) and of mhclite's
-    (softmax over (rows, n!) logits, times the stacked permutation matrices)."""
+    """fwd + bwd of mhc's H_res (Sinkhorn on (rows, n, n) logits) and of mhclite's (softmax over
+    (rows, n!) logits, weighting the permutation matrices as residuals.py does)."""
     generator = torch.Generator().manual_seed(seed)
     mhc_logits = torch.randn(rows, n, n, generator=generator).to(device).requires_grad_()
     perms = permutation_matrices(n).flatten(1).to(device)
@@ -327,7 +392,7 @@ def h_res_steps(n, rows, iters, seed, device):
         torch.autograd.grad(sinkhorn(mhc_logits, iters), mhc_logits, grad)
 
     def mhclite(r):
-        h_res = (torch.softmax(lite_logits, dim=-1) @ perms).unflatten(-1, (n, n))
+        h_res = (torch.softmax(lite_logits, dim=-1).unsqueeze(-1) * perms).sum(-2).unflatten(-1, (n, n))
         torch.autograd.grad(h_res, lite_logits, grad)
 
     return {"mhc": mhc, "mhclite": mhclite}
@@ -372,7 +437,7 @@ def probe_argv(args, name):
     return ["--size", args.size, "--batch_size", str(args.batch_size), "--block_size", str(args.block_size),
             "--device", args.device_type, "--dtype", args.dtype, "--vocab_size", str(args.vocab_size),
             "--seed", str(args.seed), "--residuals", ",".join(args.residual_list), "--recompute", args.recompute,
-            "--compile_probe", name]
+            "--stream_dtype", args.stream_dtype, "--fused_connections", args.fused_connections, "--compile_probe", name]
 
 
 def compile_probe(args, configs, device):
@@ -444,7 +509,7 @@ def connection_table(summary):
 
 
 def h_res_table(summary, n, rows_count, iters):
-    rows = [[f"{name}: " + (f"sinkhorn, {iters} iters" if name == "mhc" else f"softmax @ P ({math.factorial(n)} perms)"),
+    rows = [[f"{name}: " + (f"sinkhorn, {iters} iters" if name == "mhc" else f"softmax-weighted sum of {math.factorial(n)} permutations"),
              fmt(r["median_ms"], ".3f"), fmt(r["iqr_ms"], ".3f"), str(r["ops"]), fmt(r["time_ratio"], ".2f")]
             for name, r in summary.items()]
     return markdown_table([f"H_res alone, {rows_count} x n={n} (fwd+bwd)", "ms", "IQR ms", "ops", "x mhclite"], rows)
@@ -496,6 +561,10 @@ def parse_args(argv):
     parser.add_argument("--residuals", default="res,hc,mhc,mhclite")
     parser.add_argument("--recompute", default="both", choices=["both", "on", "off"],
                         help="recompute_connections for the HC family; both: a row with and without")
+    parser.add_argument("--stream_dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="storage of the HC family's streams (res keeps nanoGPT's fp32 residual)")
+    parser.add_argument("--fused_connections", default="on", choices=["on", "off"],
+                        help="Triton kernels for the HC family where they can run (CUDA); off: residuals.py")
     parser.add_argument("--micro", action=argparse.BooleanOptionalAction, default=True,
                         help="micro-benchmarks: one connection module, and H_res construction alone")
     parser.add_argument("--n_sweep", type=int_list, help="stream counts n: mhclite vs mhc per n (e.g. 4,6,8)")
@@ -545,7 +614,8 @@ def resolve(args):
 
 def run(args, argv):
     device = torch.device(args.device_type)
-    common = dict(shape=args.shape, block_size=args.block_size, vocab_size=args.vocab_size)
+    common = dict(shape=args.shape, block_size=args.block_size, vocab_size=args.vocab_size,
+                  stream_dtype=args.stream_dtype, fused_connections=args.fused_connections == "on")
     if args.compile_probe:
         configs = main_variants(args.residual_list, args.recompute, **common)
         if args.compile_probe not in configs:
@@ -556,10 +626,12 @@ def run(args, argv):
     result["settings"] = dict(size=args.size, **args.shape, batch_size=args.batch_size, block_size=args.block_size,
                               tokens_per_step=args.batch_size * args.block_size, dtype=args.dtype,
                               compile=args.use_compile, steps=args.steps, warmup=args.warmup,
-                              recompute=args.recompute, vocab_size=args.vocab_size, seed=args.seed,
+                              recompute=args.recompute, stream_dtype=args.stream_dtype,
+                              fused_connections=args.fused_connections == "on", vocab_size=args.vocab_size, seed=args.seed,
                               peak_flops=peak_flops(args, device))
     title = (f"{args.size} ({args.shape['n_layer']}L, {args.shape['n_embd']}d), batch {args.batch_size} x "
-             f"{args.block_size}, {args.dtype}, {'compiled' if args.use_compile else 'eager'}, "
+             f"{args.block_size}, {args.dtype}, {'compiled' if args.use_compile else 'eager'}, HC streams "
+             f"{args.stream_dtype}, fused connections {args.fused_connections}, "
              f"{result['device_name']}, torch {torch.__version__}, {args.steps} rounds after {args.warmup} warm-up")
     cuda = device.type == "cuda"
     if args.n_sweep:

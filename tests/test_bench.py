@@ -154,3 +154,33 @@ def test_bad_input_is_one_error_line(flags, message, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith(message) and "\n" not in err
     assert not (tmp_path / "x.json").exists()
+
+
+GIB = 2**30
+
+
+def test_timing_groups_keep_everything_together_when_it_fits():
+    names = ["res", "hc", "mhc"]
+    memory = {"res": (2 * GIB, 10 * GIB), "hc": (2 * GIB, 15 * GIB), "mhc": (2 * GIB, 16 * GIB)}
+    baselines = {name: "res" for name in names}
+    assert bench.timing_groups(names, baselines, memory, budget=30 * GIB) == [names]
+    assert bench.timing_groups(names, baselines, {}, budget=0) == [names]  # CPU: no memory figures
+
+
+def test_timing_groups_pair_each_variant_with_its_baseline_when_all_do_not_fit():
+    names = ["res", "hc", "hc+recompute", "mhc"]
+    memory = {name: (8 * GIB, 30 * GIB) for name in names}
+    baselines = {name: "res" for name in names}
+    assert bench.timing_groups(names, baselines, memory, budget=50 * GIB) == [
+        ["res", "hc"], ["res", "hc+recompute"], ["res", "mhc"]]
+    with pytest.raises(bench.BenchError, match="do not fit"):
+        bench.timing_groups(names, baselines, memory, budget=40 * GIB)
+
+
+def test_bench_runs_bfloat16_streams_for_the_hc_family_only(tmp_path):
+    out = tmp_path / "bench.json"
+    bench.main(SMALL_FLAGS + ["--residuals", "res,mhclite", "--recompute", "off", "--no-micro",
+                              "--stream_dtype", "bfloat16", "--json", str(out)])
+    rows = json.loads(out.read_text())["variants"]
+    assert rows["res"]["stream_dtype"] == "float32" and rows["mhclite"]["stream_dtype"] == "bfloat16"
+    assert rows["mhclite"]["time_ratio"] > 0
