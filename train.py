@@ -19,6 +19,11 @@ Metrics: rank 0 writes one JSON line per step and per eval to <out_dir>/metrics.
 loss and grad norm stay on the device until every log_interval steps (and before each eval or
 checkpoint), when they are copied to the host in one go; step_ms and tokens_per_s are the
 wall-clock average over those steps, the only points where the host waits for the device.
+The first optimizer step of every process (a fresh start or a resume) compiles the model under
+torch.compile, so it is timed on its own, between two device synchronizations, and logged once
+as {"step": s, "first_step_s": seconds, "compiled": bool} next to its step's ordinary record.
+The window holding it averages its other steps only; a window holding nothing else (log_interval
+1) logs null tokens_per_s, step_ms and mfu. The console shows the first step's time on its own line.
 
 Stopping: SIGTERM or SIGINT lets the current step finish, saves a checkpoint and exits with code
 128 + signal number (143 for SIGTERM, 130 for SIGINT), so a calling script can stop too. Under
@@ -94,6 +99,26 @@ def setup_distributed(cfg):
     if ddp:
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     return ddp, rank, world_size, device
+
+
+@contextlib.contextmanager
+def tf32_matmuls():
+    """As nanoGPT: float32 matmuls and convolutions on CUDA run on TF32 tensor cores (10-bit
+    mantissa operands, fp32 accumulation). That touches only float32 work outside bf16 autocast,
+    e.g. --dtype=float32 on Ampere or newer. mhclite's H_res stays exactly doubly stochastic:
+    residuals.py combines the permutation matrices without a matmul. The previous flags come
+    back on exit, so an in-process caller (a test) keeps its own precision."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def autocast_context(cfg, device):
@@ -246,17 +271,19 @@ class MetricsWriter:
                 self.wandb_run.finish()
 
 
-def flush_steps(pending, window_start, tokens_per_step, mfu_of):
+def flush_steps(pending, window_start, timed_steps, tokens_per_step, mfu_of):
     """Copy the pending per-step tensors to the host (one sync) and turn them into metrics
-    records. Returns (records, bad): bad is the first non-finite step's record (None if all are
-    finite) and records are the steps before it, which are still worth writing."""
+    records. The window's wall time since window_start covers `timed_steps` of the pending steps
+    (all but a first step, which is timed on its own); with none, the timings are None.
+    Returns (records, bad): bad is the first non-finite step's record (None if all are finite)
+    and records are the steps before it, which are still worth writing."""
     values = torch.stack([torch.stack([loss.float(), norm.float()]) for _, _, loss, norm in pending]).tolist()
-    step_s = (time.perf_counter() - window_start) / len(pending)
-    mfu = mfu_of(step_s)
+    step_s = (time.perf_counter() - window_start) / timed_steps if timed_steps else None
+    timings = (dict(tokens_per_s=tokens_per_step / step_s, step_ms=1000 * step_s, mfu=mfu_of(step_s)) if step_s is not None
+               else dict(tokens_per_s=None, step_ms=None, mfu=None))
     records = []
     for (step, lr, _, _), (loss, norm) in zip(pending, values):
-        record = dict(step=step, train_loss=loss, lr=lr, grad_norm=norm, tokens_per_s=tokens_per_step / step_s,
-                      step_ms=1000 * step_s, mfu=mfu)
+        record = dict(step=step, train_loss=loss, lr=lr, grad_norm=norm, **timings)
         if not (math.isfinite(loss) and math.isfinite(norm)):
             return records, record
         records.append(record)
@@ -353,7 +380,8 @@ def run(cfg):
     """Train according to cfg; returns the process exit code (0, or 128 + signal number)."""
     ddp, rank, world_size, device = setup_distributed(cfg)
     try:
-        return train(cfg, ddp, rank, world_size, device)
+        with tf32_matmuls():
+            return train(cfg, ddp, rank, world_size, device)
     finally:
         if ddp:
             dist.destroy_process_group()
@@ -375,6 +403,12 @@ def train(cfg, ddp, rank, world_size, device):
     if cfg.init_from == "resume":
         ckpt = load_checkpoint(ckpt_path)
         check_same_run(ckpt, asdict(cfg), ckpt_path)
+        saved = ckpt["config"]
+        if master and saved["lr_decay_iters"] != cfg.lr_decay_iters:
+            log(f"note: resuming with lr_decay_iters={cfg.lr_decay_iters} (max_iters={cfg.max_iters}) where the "
+                f"checkpoint's run had lr_decay_iters={saved['lr_decay_iters']} (max_iters={saved['max_iters']}): "
+                f"the cosine schedule's horizon moves; pass --lr_decay_iters={saved['lr_decay_iters']} "
+                f"to keep the old schedule")
     elif os.path.exists(ckpt_path):
         raise ConfigError(f"{ckpt_path} exists; continue it with --init_from=resume or pick another --out_dir")
 
@@ -469,9 +503,13 @@ def train(cfg, ddp, rank, world_size, device):
     try:
         if cfg.init_from == "scratch" and run_eval(0):
             saved_step = 0
-        pending = []
+        pending, untimed = [], 0  # untimed: 1 while the window holds the first step
+        first_step = True
         window_start = time.perf_counter()
         while step < cfg.max_iters:
+            if first_step:  # it compiles (and warms up): timed apart from the step timings
+                synchronize(device)
+                first_step_start = time.perf_counter()
             lr = get_lr(step, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -498,11 +536,20 @@ def train(cfg, ddp, rank, world_size, device):
                 dist.all_reduce(loss_sum)
             step += 1
             pending.append((step, lr, loss_sum / cfg.gradient_accumulation_steps, grad_norm))
+            if first_step:
+                synchronize(device)
+                first_step_s = time.perf_counter() - first_step_start
+                metrics.write([dict(step=step, first_step_s=first_step_s, compiled=use_compile)])
+                if master:
+                    log(f"first step {step}: {first_step_s:.2f} s{' (torch.compile included)' if use_compile else ''}; "
+                        f"not counted in tok/s, ms/step and mfu")
+                first_step, untimed = False, 1
+                window_start = time.perf_counter()
 
             signum = stop.agreed()
             is_eval = step % cfg.eval_interval == 0 or step == cfg.max_iters
             if step % cfg.log_interval == 0 or is_eval or signum:
-                records, bad = flush_steps(pending, window_start, tokens_per_step, mfu_of)
+                records, bad = flush_steps(pending, window_start, len(pending) - untimed, tokens_per_step, mfu_of)
                 metrics.write(records)
                 if bad is not None:
                     raise NonFiniteError(f"non-finite loss at step {bad['step']} (train_loss={bad['train_loss']}, "
@@ -510,10 +557,11 @@ def train(cfg, ddp, rank, world_size, device):
                 if master:
                     last = records[-1]
                     mfu = f" | mfu {100 * last['mfu']:.1f}%" if last["mfu"] is not None else ""
+                    timing = ("first step only, timed above" if last["step_ms"] is None else
+                              f"{last['tokens_per_s']:,.0f} tok/s | {last['step_ms']:.1f} ms/step{mfu}")
                     log(f"step {step}/{cfg.max_iters} | loss {last['train_loss']:.4f} | lr {lr:.2e} | "
-                        f"grad norm {last['grad_norm']:.3f} | {last['tokens_per_s']:,.0f} tok/s | "
-                        f"{last['step_ms']:.1f} ms/step{mfu}")
-                pending = []
+                        f"grad norm {last['grad_norm']:.3f} | {timing}")
+                pending, untimed = [], 0
                 if is_eval and run_eval(step):
                     saved_step = step
                 if signum:

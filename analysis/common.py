@@ -17,6 +17,7 @@ DATASET_NAMES = {"openwebtext": "OpenWebText", "fineweb_edu": "FineWeb-Edu",
 SIZE_ORDER = ("tiny", "S", "M", "L")
 TRAIN_KEYS = ("step", "train_loss", "lr", "grad_norm", "tokens_per_s", "step_ms")
 EVAL_KEYS = ("step", "eval_train_loss", "val_loss")
+FIRST_STEP_KEYS = ("step", "first_step_s")
 
 
 class AnalysisError(Exception):
@@ -54,6 +55,7 @@ class Run:
     config: dict
     train: dict  # TRAIN_KEYS -> float64 array over the logged training steps
     evals: dict  # EVAL_KEYS -> float64 array over the logged evaluations
+    first_steps: dict  # FIRST_STEP_KEYS -> float64 array, one entry per start or resume of the run
 
     @property
     def name(self):
@@ -84,10 +86,11 @@ def latest_trajectory(records):
 
 
 def read_metrics(path):
-    """metrics.jsonl -> (train records, eval records), told apart by key."""
+    """metrics.jsonl -> (train records, eval records, first-step records), told apart by key; a
+    first-step record holds the time of the first step of a start or resume (its compilation)."""
     with open(path) as f:
         lines = f.read().split("\n")
-    train, evals = [], []
+    train, evals, firsts = [], [], []
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -103,7 +106,9 @@ def read_metrics(path):
             train.append(rec)
         elif "val_loss" in rec:
             evals.append(rec)
-    return latest_trajectory(train), latest_trajectory(evals)
+        elif "first_step_s" in rec:
+            firsts.append(rec)
+    return latest_trajectory(train), latest_trajectory(evals), latest_trajectory(firsts)
 
 
 def as_arrays(records, keys):
@@ -127,8 +132,9 @@ def load_run(path):
             raise AnalysisError(f"{config_path} lacks the key '{key}'")
     if config["residual"] not in VARIANTS:
         raise AnalysisError(f"{config_path}: unknown residual '{config['residual']}'; valid: {', '.join(VARIANTS)}")
-    train, evals = read_metrics(metrics_path)
-    return Run(path, config, as_arrays(train, TRAIN_KEYS), as_arrays(evals, EVAL_KEYS))
+    train, evals, firsts = read_metrics(metrics_path)
+    return Run(path, config, as_arrays(train, TRAIN_KEYS), as_arrays(evals, EVAL_KEYS),
+               as_arrays(firsts, FIRST_STEP_KEYS))
 
 
 def is_run_dir(path):
@@ -173,12 +179,16 @@ def find_runs(paths, exclude=None, cell_of=default_cell):
 
 
 def after_warmup(run, key, skip=None):
-    """A run's logged `key` values without the first `skip` steps (10% of them by default)."""
+    """A run's logged `key` values without the first `skip` steps (10% of them by default) and
+    without nulls: train.py logs null timings for a window that held only a process's first step,
+    whose time (compilation included) it records apart, so no timing here includes a compile."""
     values = run.train[key]
     skip = len(values) // 10 if skip is None else skip
     kept = values[skip:]
+    kept = kept[~np.isnan(kept)]
     if len(kept) == 0:
-        raise AnalysisError(f"run '{run.path}' has {len(values)} logged steps, none left after skipping {skip}")
+        raise AnalysisError(f"run '{run.path}' has {len(values)} logged steps, none with a {key} left after "
+                            f"skipping {skip}")
     return kept
 
 

@@ -3,6 +3,12 @@ warm-up (`--skip` logged steps, default the first 10% of each run), as a bar cha
 to res. One PNG per (dataset, size) group. Runs are only comparable when they ran on the same
 hardware; bench.py measures the variants side by side.
 
+Compilation never enters the mean: train.py times the first step of every start and resume on
+its own (first_step_s records) and leaves it out of the logged tokens/s, logging null where a
+window held nothing else; nulls are skipped here. The first step of each run's start (its
+compile time under torch.compile) is printed next to the throughput. Logs written before
+train.py did this carry the compile in their first window after each start or resume.
+
     python analysis/throughput.py --runs out/* --out out/analysis
 """
 import argparse
@@ -21,21 +27,31 @@ from analysis.common import (VARIANT_COLORS, VARIANT_NAMES, VARIANTS, AnalysisEr
 
 
 def run_throughput(run, skip=None):
-    """Mean tokens/s of one run after dropping the first `skip` logged steps (10% by default)."""
+    """Mean tokens/s of one run after dropping the first `skip` logged steps (10% by default)
+    and the null timings of windows that held only a first step."""
     kept = after_warmup(run, "tokens_per_s", skip)
     return float(np.mean(kept)), len(kept)
 
 
+def start_first_step_s(run):
+    """Seconds of the first step of the run's start (compilation included), None if not logged."""
+    steps, seconds = run.first_steps["step"], run.first_steps["first_step_s"]
+    return float(seconds[0]) if len(steps) and steps[0] == 1 else None
+
+
 def group_throughput(by_variant, skip=None):
-    """{variant: {"mean", "std" (over seeds, 0 for one), "seeds", "steps", "ratio_to_res"}}."""
+    """{variant: {"mean", "std" (over seeds, 0 for one), "seeds", "steps", "ratio_to_res",
+    "first_step_s" (mean over the runs that logged it, else None)}}."""
     stats = {}
     for variant in VARIANTS:
         if variant not in by_variant:
             continue
         per_run = [run_throughput(r, skip) for r in by_variant[variant]]
         means = [m for m, _ in per_run]
+        first_steps = [s for s in map(start_first_step_s, by_variant[variant]) if s is not None]
         stats[variant] = {"mean": float(np.mean(means)), "std": float(np.std(means, ddof=1)) if len(means) > 1 else 0.0,
-                          "seeds": len(means), "steps": sum(n for _, n in per_run)}
+                          "seeds": len(means), "steps": sum(n for _, n in per_run),
+                          "first_step_s": float(np.mean(first_steps)) if first_steps else None}
     for s in stats.values():
         s["ratio_to_res"] = s["mean"] / stats["res"]["mean"] if "res" in stats else None
     return stats
@@ -45,8 +61,9 @@ def format_stats(group, stats):
     lines = [f"{group_label(group)}: tokens/s (mean over steps after warm-up; +/- std over seeds)"]
     for variant, s in stats.items():
         ratio = "" if s["ratio_to_res"] is None else f"  x{s['ratio_to_res']:.3f} of res"
+        first = "" if s["first_step_s"] is None else f"  first step {s['first_step_s']:.2f} s"
         lines.append(f"  {VARIANT_NAMES[variant]:9s} {s['mean']:12.1f} +/- {s['std']:.1f}"
-                     f"  ({s['seeds']} run(s), {s['steps']} steps){ratio}")
+                     f"  ({s['seeds']} run(s), {s['steps']} steps){ratio}{first}")
     if "res" not in stats:
         lines.append("  (no res run: no ratios)")
     return "\n".join(lines)

@@ -160,7 +160,7 @@ def test_metrics_after_resume_keep_the_latest_trajectory(tmp_path):
     steps = [1, 2, 3, 4, 3, 4, 5]  # resumed from a step-2 checkpoint after logging 3 and 4
     lines = [json.dumps(dict(step=s, train_loss=float(i), grad_norm=1.0)) for i, s in enumerate(steps)]
     path.write_text("\n".join(lines) + "\n" + '{"step": 6, "train_lo')  # cut short by a crash
-    train, _ = read_metrics(str(path))
+    train, _, _ = read_metrics(str(path))
     assert [r["step"] for r in train] == [1, 2, 3, 4, 5]
     assert [r["train_loss"] for r in train] == [0.0, 1.0, 4.0, 5.0, 6.0]
 
@@ -210,6 +210,40 @@ def test_throughput_is_the_mean_after_warmup(runs, tmp_path, capsys):
     assert stats["res"]["ratio_to_res"] == 1.0
     assert stats["mhc"]["ratio_to_res"] == pytest.approx(stats["mhc"]["mean"] / stats["res"]["mean"])
     assert "of res" in capsys.readouterr().out
+
+
+def test_throughput_never_averages_a_first_step(runs, tmp_path, capsys):
+    """Logged every step, as train.py writes it: the first step of the start (1) and of a resume (6)
+    have first_step_s records of their own and null timings; even with --skip 0 neither counts."""
+    dirs = []
+    for variant, base in (("res", 1000.0), ("mhc", 400.0)):
+        run_dir = tmp_path / f"{variant}-run"
+        run_dir.mkdir()
+        (run_dir / "config.json").write_text(json.dumps(dict(dataset=DATASET, size="tiny", residual=variant, seed=1)))
+        lines = []
+        for step in range(1, 11):
+            first = step in (1, 6)
+            if first:
+                lines.append(dict(step=step, first_step_s=70.0 if step == 1 else 50.0, compiled=True))
+            tokens = None if first else base + step
+            lines.append(dict(step=step, train_loss=2.0, lr=1e-3, grad_norm=1.0, tokens_per_s=tokens,
+                              step_ms=None if first else 1000 / tokens, mfu=None))
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+        dirs.append(str(run_dir))
+    throughput.main(["--runs", *dirs, "--out", str(tmp_path / "tp"), "--skip", "0"])
+    [(_, _, stats, text)] = throughput.plot_throughputs(find_runs(dirs), str(tmp_path / "tp"), skip=0)
+    timed = [s for s in range(1, 11) if s not in (1, 6)]
+    assert stats["res"]["mean"] == pytest.approx(np.mean([1000.0 + s for s in timed]))
+    assert stats["mhc"]["mean"] == pytest.approx(np.mean([400.0 + s for s in timed]))
+    assert stats["res"]["steps"] == 8 and stats["res"]["first_step_s"] == 70.0
+    assert "first step 70.00 s" in text and "first step 70.00 s" in capsys.readouterr().out
+    # the real runs: logged with log_interval 1, their first step is a record of its own
+    run = find_runs([str(runs["hc"])])[0]
+    record = next(json.loads(line) for line in (runs["hc"] / "metrics.jsonl").read_text().splitlines()
+                  if "first_step_s" in line)
+    assert record["step"] == 1 and record["compiled"] is False
+    assert throughput.start_first_step_s(run) == record["first_step_s"]
+    assert np.isnan(run.train["tokens_per_s"][0]) and throughput.run_throughput(run, skip=0)[1] == STEPS - 1
 
 
 # ---------------------------------------------------------------------------------------------

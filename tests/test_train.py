@@ -20,6 +20,7 @@ from config import REPO_DIR, load_config
 
 TRAIN_KEYS = {"step", "train_loss", "lr", "grad_norm", "tokens_per_s", "step_ms", "mfu"}
 EVAL_KEYS = {"step", "eval_train_loss", "val_loss"}
+FIRST_STEP_KEYS = {"step", "first_step_s", "compiled"}
 WORDS = ("the king and queen of a far land rode to the old castle where one bold knight kept "
          "watch over the river and the hills").split()
 
@@ -62,12 +63,20 @@ def tiny_args(data_dir, out_dir, **overrides):
     return [f"--{key}={value}" for key, value in settings.items()]
 
 
-def read_metrics(out_dir):
+def read_all_metrics(out_dir):
+    """(train, eval, first-step) records of metrics.jsonl; every line is one of the three."""
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     train_records = [r for r in records if "train_loss" in r]
     eval_records = [r for r in records if "val_loss" in r]
-    assert len(train_records) + len(eval_records) == len(records)
+    first_records = [r for r in records if "first_step_s" in r]
+    assert all(set(r) == FIRST_STEP_KEYS for r in first_records)
+    assert len(train_records) + len(eval_records) + len(first_records) == len(records)
+    return train_records, eval_records, first_records
+
+
+def read_metrics(out_dir):
+    train_records, eval_records, _ = read_all_metrics(out_dir)
     return train_records, eval_records
 
 
@@ -264,6 +273,83 @@ def test_injected_nan_stops_the_run_and_keeps_the_last_good_checkpoint(data_dir,
     train_records, _ = read_metrics(out)
     assert train_records[-1]["step"] == 6
     assert not (out / "done").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing of the first step, TF32, schedule changes on resume
+
+
+def slow_first_step(monkeypatch, seconds):
+    """Make the first optimizer step of every train.main call `seconds` slower, as compiling does."""
+    real = train.step_offsets
+    calls = []
+
+    def offsets(*args):
+        if not calls:
+            time.sleep(seconds)
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(train, "step_offsets", offsets)
+    return calls
+
+
+def test_the_first_step_is_timed_apart_and_kept_out_of_the_step_timings(data_dir, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    slow_first_step(monkeypatch, 2.0)
+    train.main(tiny_args(data_dir, out, max_iters=10, log_interval=5, eval_interval=10))
+    train_records, _, first_records = read_all_metrics(out)
+    [first] = first_records
+    assert first["step"] == 1 and first["compiled"] is False and first["first_step_s"] >= 2.0
+    # the 2 s would add >= 400 ms to each step of a 5-step window: both windows are steps 2..10 only
+    assert all(r["step_ms"] < 200 and r["tokens_per_s"] > 4 * 2 * 32 / 0.2 for r in train_records)
+    assert train_records[0]["step_ms"] == train_records[4]["step_ms"] != train_records[5]["step_ms"]
+    printed = capsys.readouterr().out
+    assert f"first step 1: {first['first_step_s']:.2f} s; not counted in tok/s, ms/step and mfu" in printed
+
+    # resumed, the first step of the new process (which recompiles under torch.compile) is timed apart too
+    calls = slow_first_step(monkeypatch, 2.0)
+    train.main(tiny_args(data_dir, out, max_iters=14, lr_decay_iters=10, log_interval=1, eval_interval=10,
+                         init_from="resume"))
+    assert len(calls) == 4
+    train_records, _, first_records = read_all_metrics(out)
+    assert [r["step"] for r in first_records] == [1, 11] and first_records[1]["first_step_s"] >= 2.0
+    assert [r["step"] for r in train_records] == list(range(1, 15))
+    resumed = train_records[10:]
+    assert resumed[0]["step_ms"] is None and resumed[0]["tokens_per_s"] is None and resumed[0]["mfu"] is None
+    assert all(r["step_ms"] < 200 for r in resumed[1:])
+    assert "| first step only, timed above" in capsys.readouterr().out
+
+
+def test_tf32_is_on_while_training_and_restored_after(monkeypatch):
+    seen = []
+    monkeypatch.setattr(train, "train", lambda *args: seen.append(
+        (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)) or 0)
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    assert train.run(load_config(["--device=cpu"])) == 0
+    assert seen == [(True, True)]
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == before
+
+
+def test_resume_that_moves_the_schedules_horizon_says_so(data_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    train.main(tiny_args(data_dir, out, max_iters=8, eval_interval=4))
+    capsys.readouterr()
+    train.main(tiny_args(data_dir, out, max_iters=12, eval_interval=4, init_from="resume"))
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+    assert notes == ["note: resuming with lr_decay_iters=12 (max_iters=12) where the checkpoint's run had "
+                     "lr_decay_iters=8 (max_iters=8): the cosine schedule's horizon moves; pass "
+                     "--lr_decay_iters=8 to keep the old schedule"]
+    # keeping the horizon: no note, and the steps past it run at min_lr
+    train.main(tiny_args(data_dir, tmp_path / "kept", max_iters=8, eval_interval=4))
+    capsys.readouterr()
+    train.main(tiny_args(data_dir, tmp_path / "kept", max_iters=12, lr_decay_iters=8, eval_interval=4,
+                         init_from="resume"))
+    assert "note:" not in capsys.readouterr().out
+    train_records, _ = read_metrics(tmp_path / "kept")
+    assert [r["lr"] for r in train_records[8:]] == [3e-4] * 4
+    moved, _ = read_metrics(out)
+    assert all(r["lr"] > 3e-4 for r in moved[8:11])
 
 
 # ----------------------------------------------------------------------------------------------
