@@ -261,7 +261,9 @@ class MetricsWriter:
         for record in records:
             self.file.write(json.dumps(record) + "\n")
             if self.wandb_run is not None:
-                self.wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+                # nulls (mfu on CPU, a first step's window) are left out, not drawn as gaps
+                self.wandb_run.log({k: v for k, v in record.items() if k != "step" and v is not None},
+                                   step=record["step"])
         self.file.flush()
 
     def close(self):
@@ -368,12 +370,21 @@ def build_model_config(cfg, vocab_size):
                      stream_dtype=cfg.stream_dtype, fused_connections=cfg.fused_connections, **shape)
 
 
-def start_wandb(cfg):
+def import_wandb():
     try:
         import wandb
     except ImportError:
         raise ConfigError("wandb_log=True needs wandb: pip install wandb") from None
-    return wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=asdict(cfg))
+    return wandb
+
+
+def start_wandb(wandb, cfg):
+    try:
+        return wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=asdict(cfg))
+    except Exception as e:  # wandb has its own error types for no login, no network, bad settings
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"wandb.init failed ({reason}); set WANDB_MODE=offline to log locally, "
+                          f"or drop --wandb_log") from None
 
 
 def run(cfg):
@@ -395,6 +406,7 @@ def train(cfg, ddp, rank, world_size, device):
     accum = cfg.gradient_accumulation_steps // world_size
     tokens_per_step = cfg.batch_size * cfg.block_size * cfg.gradient_accumulation_steps
     paths, vocab_size = check_data(cfg)
+    wandb = import_wandb() if cfg.wandb_log and master else None  # fail before any work
     dtype, ctx = autocast_context(cfg, device)
     ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
     done_path = os.path.join(cfg.out_dir, "done")
@@ -462,7 +474,7 @@ def train(cfg, ddp, rank, world_size, device):
         log(f"{cfg.residual} {cfg.size}: {raw_model.get_num_params() / 1e6:.2f}M parameters, "
             f"{tokens_per_step:,} tokens/step on {world_size} x {device.type} ({dtype}), "
             f"{'resuming at' if step else 'starting at'} step {step} of {cfg.max_iters} -> {cfg.out_dir}")
-    wandb_run = start_wandb(cfg) if cfg.wandb_log and master else None
+    wandb_run = start_wandb(wandb, cfg) if wandb is not None else None
     metrics = MetricsWriter(os.path.join(cfg.out_dir, "metrics.jsonl"), master,
                             step if cfg.init_from == "resume" else None, wandb_run)
     stop = StopFlag(ddp, device)
