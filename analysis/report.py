@@ -1,6 +1,7 @@
-"""Every analysis on a set of runs, in one Markdown report: the loss table, gradient-norm curves,
-throughput bars, and from each HC-family run's checkpoint (collected with analysis/collect.py)
-the log(1/nu) histograms of mHC and the H_res column-sum boxplots.
+"""Every analysis on a set of runs, in one Markdown report: the loss table with a short text
+sample from each checkpoint (sample.py, fixed seed), gradient-norm curves, throughput bars, and
+from each HC-family run's checkpoint (collected with analysis/collect.py) the log(1/nu)
+histograms of mHC and the H_res column-sum boxplots.
 
     python analysis/report.py --runs out/demo/* --out out/demo
 
@@ -14,8 +15,11 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 from analysis import colsum_box, grad_norm, loss_table, nu_hist, throughput
 from analysis.collect import collect
-from analysis.common import HC_FAMILY, AnalysisError, find_runs, group_label
+import sample
+from analysis.common import HC_FAMILY, VARIANT_NAMES, VARIANTS, AnalysisError, find_runs, group_label, group_runs
 from checkpoint import CheckpointError
+
+SAMPLE_TEMPERATURE, SAMPLE_TOP_K = 0.8, 200
 
 
 def image(path, out_dir, caption):
@@ -23,7 +27,34 @@ def image(path, out_dir, caption):
 
 
 def code_block(lines):
-    return "```text\n" + "\n".join(lines) + "\n```\n"
+    text = "\n".join(lines)
+    fence = "```"
+    while fence in text:  # a longer fence than any backtick run inside
+        fence += "`"
+    return f"{fence}text\n{text}\n{fence}\n"
+
+
+def sample_section(runs, args):
+    """Markdown: a text sample of args.sample_tokens tokens from each run's checkpoint, seeded."""
+    md = ["## Samples\n", f"{args.sample_tokens} tokens from each checkpoint after sample.py's default start (a "
+          f"newline; <|endoftext|> for GPT-2 runs), temperature {SAMPLE_TEMPERATURE}, top-k {SAMPLE_TOP_K}, "
+          f"seed {args.seed}:\n"]
+    for group, by_variant in group_runs(runs).items():
+        for run in [r for variant in VARIANTS for r in by_variant.get(variant, [])]:
+            title = f"**{VARIANT_NAMES[run.residual]}**, {group_label(group)} ({run.name})"
+            if not os.path.isfile(os.path.join(run.path, "ckpt.pt")):
+                md.append(f"{title}: no ckpt.pt, no sample.\n")
+                continue
+            try:
+                model, meta = sample.load(run.path, args.device, args.data_dir)
+                start = sample.default_start(meta)
+                [text] = sample.sample(model, meta, start, max_new_tokens=args.sample_tokens,
+                                       temperature=SAMPLE_TEMPERATURE, top_k=SAMPLE_TOP_K, seed=args.seed)
+            except sample.SampleError as e:
+                md.append(f"{title}: no sample ({e}).\n")
+                continue
+            md += [f"{title}:\n", code_block([text[len(start):]])]
+    return md
 
 
 def collect_runs(runs, out_dir, args):
@@ -52,6 +83,8 @@ def write_report(runs, out_dir, args, command):
 
     table, table_md = loss_table.write_loss_table(runs, out_dir, args.last)
     md += ["## Loss (paper Table 1)\n", table_md, "LaTeX (booktabs): [loss_table.tex](loss_table.tex)\n"]
+    if args.sample_tokens:
+        md += sample_section(runs, args)
 
     md.append("## Gradient norm\n")
     for group, path, window in grad_norm.plot_grad_norms(runs, out_dir, args.window):
@@ -107,7 +140,8 @@ def main(argv=None):
     p.add_argument("--seq_len", type=int, default=None, help="tokens per sequence (default: block size, <= 1024)")
     p.add_argument("--batch_size", type=int, default=8, help="sequences per forward pass when collecting")
     p.add_argument("--max_tokens", type=int, default=None, help="collect a seeded subset of this many tokens")
-    p.add_argument("--seed", type=int, default=0, help="seed of token and outlier subsamples")
+    p.add_argument("--seed", type=int, default=0, help="seed of token and outlier subsamples and of the text samples")
+    p.add_argument("--sample_tokens", type=int, default=300, help="tokens per text sample (0: no samples)")
     p.add_argument("--data_dir", default=None, help="folder holding <dataset>/train.bin (default: each run's)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N for collecting")
     args = p.parse_args(argv)
@@ -116,6 +150,8 @@ def main(argv=None):
         for name in ("last", "window"):
             if getattr(args, name) < 1:
                 raise AnalysisError(f"--{name} must be at least 1, got {getattr(args, name)}")
+        if args.sample_tokens < 0:
+            raise AnalysisError(f"--sample_tokens must be >= 0, got {args.sample_tokens}")
         if args.skip is not None and args.skip < 0:
             raise AnalysisError(f"--skip must be >= 0, got {args.skip}")
         runs = find_runs(args.runs, exclude=args.out)

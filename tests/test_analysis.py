@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from analysis import collect, colsum_box, grad_norm, larger_n, loss_table, nu_hist, report, throughput
+import sample
+from analysis import collect, colsum_box, grad_norm, larger_n, loss_table, nu_hist, progress, report, throughput
 from analysis.common import find_runs, read_metrics
 from checkpoint import load_model
 from residuals import capture_connections
@@ -246,6 +247,38 @@ def test_throughput_never_averages_a_first_step(runs, tmp_path, capsys):
     assert np.isnan(run.train["tokens_per_s"][0]) and throughput.run_throughput(run, skip=0)[1] == STEPS - 1
 
 
+def test_progress_line_shows_only_the_runs_in_progress(tmp_path, capsys):
+    def run_dir(name, max_iters=None, records=(), done=False):
+        path = tmp_path / name
+        path.mkdir()
+        if max_iters is not None:
+            (path / "config.json").write_text(json.dumps(dict(max_iters=max_iters)))
+        (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 12')
+        if done:
+            (path / "done").write_text(f"{max_iters}\n")
+        return str(path)
+
+    def step(n, loss, step_ms):
+        return dict(step=n, train_loss=loss, lr=1e-3, grad_norm=1.0, step_ms=step_ms,
+                    tokens_per_s=None if step_ms is None else 1.0, mfu=None)
+
+    running = run_dir("mhc", 500, [dict(step=0, eval_train_loss=4.0, val_loss=4.1),
+                                   dict(step=1, first_step_s=9.0, compiled=False), step(1, 4.2, None),
+                                   step(120, 2.53149, 250.0)])
+    first_window = run_dir("res", 5000, [step(1, 4.0, None)])
+    long_left = run_dir("hc", 20000, [step(10, 3.0, 400.0), step(11, 2.9, None)])
+    finishing = run_dir("last_eval", 500, [step(500, 2.0, 250.0)])
+    assert progress.progress_line([running, run_dir("done", 500, [step(500, 2.0, 250.0)], done=True),
+                                   run_dir("not_started"), run_dir("mhclite", 500), first_window, long_left,
+                                   finishing]) == (
+        "mhc 120/500, loss 2.531, ~1:35 left | mhclite starting | res 1/5000, loss 4.000 | "
+        "hc 11/20000, loss 2.900, ~2:13:16 left | last_eval 500/500, loss 2.000, finishing")
+    progress.main([str(tmp_path / "done"), str(tmp_path / "not_started")])
+    assert capsys.readouterr().out == ""
+    progress.main([running])
+    assert capsys.readouterr().out == "mhc 120/500, loss 2.531, ~1:35 left\n"
+
+
 # ---------------------------------------------------------------------------------------------
 # Collecting connection matrices
 
@@ -421,6 +454,15 @@ def test_report_embeds_every_figure_and_the_table(runs, tmp_path, capsys):
                                                                         for v in ("hc", "mhc", "mhclite")]
     assert "Sinkhorn inputs have log(1/nu)" in text and "max|colsum-1|" in text
     assert f"wrote {out / 'report.md'}" in printed
+    # next to the loss table: 300 tokens from each checkpoint, as sample.py draws them with the seed
+    samples = text.split("## Samples\n")[1].split("## Gradient norm")[0]
+    assert text.index(table) < text.index("## Samples") < text.index("## Gradient norm")
+    for variant, name in zip(VARIANTS, ("Residual", "HC", "mHC", "mHC-lite")):
+        model, meta = sample.load(str(runs[variant]))
+        assert "\n" not in meta["itos"] and sample.default_start(meta) == "a"  # no newline: the first character
+        [expected] = sample.sample(model, meta, "a", max_new_tokens=300, temperature=0.8, top_k=200, seed=0)
+        assert len(expected) == 301
+        assert f"**{name}**, toy_char tiny ({runs[variant].name}):\n\n```text\n{expected[1:]}\n```" in samples
 
 
 @pytest.mark.slow
