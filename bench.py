@@ -2,7 +2,7 @@
 
     python bench.py --size tiny --device cpu
     python bench.py --size S --device cpu --batch_size 4 --block_size 256
-    python bench.py --size M --device cuda --dtype bfloat16 --compile auto --batch_size 16 --block_size 1024 --recompute both
+    python bench.py --size M                       # on a GPU: cuda, bf16, compiled, 16 x 1024, with and without recompute
     python bench.py --size tiny --device cpu --n_sweep 4,6,8 --k_sweep 8,32,128   # mhclite (K perms) vs mhc per n
     python bench.py --size tiny --device cpu --compile_time --recompute off       # cold-cache compile seconds
 
@@ -551,7 +551,8 @@ def parse_args(argv):
     parser.add_argument("--batch_size", type=int, help="default 8 for tiny, 16 otherwise")
     parser.add_argument("--block_size", type=int, help="default 128 for tiny, 1024 otherwise")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="autocast dtype; auto: bfloat16 on cuda (train.py's default), float32 on cpu")
     parser.add_argument("--compile", default="auto", nargs="?", const="on", choices=["auto", "on", "off"],
                         help="torch.compile every model; auto: on for cuda, off on cpu")
     parser.add_argument("--compile_time", action="store_true",
@@ -601,6 +602,8 @@ def resolve(args):
     if args.device == "cuda" and not torch.cuda.is_available():
         raise BenchError("--device cuda but no CUDA device is available")
     args.device_type = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if args.device_type == "cuda" else "float32"
     if args.device_type == "cuda" and args.dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
         raise BenchError("this GPU does not support bfloat16; use --dtype float32")
     args.use_compile = args.compile == "on" or (args.compile == "auto" and args.device_type == "cuda")
