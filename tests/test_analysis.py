@@ -440,7 +440,7 @@ def test_report_embeds_every_figure_and_the_table(runs, tmp_path, capsys):
     out.mkdir()  # the report folder among the runs (out/demo/* on a second call) is ignored
     other.mkdir()  # any other folder that is not a run is skipped with a note
     report.main(["--runs", *map(str, runs.values()), str(out), str(other), "--out", str(out), "--num_seqs", "2",
-                 "--batch_size", "2"])
+                 "--batch_size", "2", "--sample_tokens", "60"])
     printed = capsys.readouterr().out
     assert f"skipping '{other}'" in printed and f"skipping '{out}'" not in printed
     text = (out / "report.md").read_text()
@@ -454,14 +454,14 @@ def test_report_embeds_every_figure_and_the_table(runs, tmp_path, capsys):
                                                                         for v in ("hc", "mhc", "mhclite")]
     assert "Sinkhorn inputs have log(1/nu)" in text and "max|colsum-1|" in text
     assert f"wrote {out / 'report.md'}" in printed
-    # next to the loss table: 300 tokens from each checkpoint, as sample.py draws them with the seed
+    # next to the loss table: 60 tokens from each checkpoint, as sample.py draws them with the seed
     samples = text.split("## Samples\n")[1].split("## Gradient norm")[0]
     assert text.index(table) < text.index("## Samples") < text.index("## Gradient norm")
     for variant, name in zip(VARIANTS, ("Residual", "HC", "mHC", "mHC-lite")):
         model, meta = sample.load(str(runs[variant]))
         assert "\n" not in meta["itos"] and sample.default_start(meta) == "a"  # no newline: the first character
-        [expected] = sample.sample(model, meta, "a", max_new_tokens=300, temperature=0.8, top_k=200, seed=0)
-        assert len(expected) == 301
+        [expected] = sample.sample(model, meta, "a", max_new_tokens=60, temperature=0.8, top_k=200, seed=0)
+        assert len(expected) == 61
         assert f"**{name}**, toy_char tiny ({runs[variant].name}):\n\n```text\n{expected[1:]}\n```" in samples
 
 
