@@ -564,8 +564,8 @@ def parse_args(argv):
                         help="recompute_connections for the HC family; both: a row with and without")
     parser.add_argument("--stream_dtype", default="float32", choices=["float32", "bfloat16"],
                         help="storage of the HC family's streams (res keeps nanoGPT's fp32 residual)")
-    parser.add_argument("--fused_connections", default="on", choices=["on", "off"],
-                        help="Triton kernels for the HC family where they can run (CUDA); off: residuals.py")
+    parser.add_argument("--fused_connections", default="off", choices=["on", "off"],
+                        help="Triton kernels (fused_connections.py) for the HC family where they can run (CUDA)")
     parser.add_argument("--micro", action=argparse.BooleanOptionalAction, default=True,
                         help="micro-benchmarks: one connection module, and H_res construction alone")
     parser.add_argument("--n_sweep", type=int_list, help="stream counts n: mhclite vs mhc per n (e.g. 4,6,8)")

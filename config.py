@@ -88,7 +88,7 @@ class TrainConfig:
     bias: bool = False
     recompute_connections: bool = False
     stream_dtype: str = "float32"  # the HC family's n streams stored in float32 or bfloat16
-    fused_connections: bool = True  # Triton kernels for the HC family on CUDA (False: residuals.py)
+    fused_connections: bool = False  # Triton kernels for the HC family on CUDA; opt-in until measured on a GPU
     n_layer: typing.Optional[int] = None  # shape overrides of the size preset
     n_head: typing.Optional[int] = None
     n_embd: typing.Optional[int] = None

@@ -50,7 +50,7 @@ class GPTConfig:
     sinkhorn_iters: int = 20
     recompute_connections: bool = False
     stream_dtype: str = "float32"  # storage of the HC family's n streams: float32 or bfloat16
-    fused_connections: bool = True  # Triton kernels for the HC family where CUDA and Triton are there
+    fused_connections: bool = False  # Triton kernels for the HC family on CUDA; opt-in until measured on a GPU
 
     def __post_init__(self):
         if self.residual not in RESIDUALS:

@@ -3,7 +3,7 @@
 #   1. the CUDA tests (pytest -m cuda): exact mHC-lite under every matmul precision, compiled = eager,
 #      fused kernels = residuals.py, fused AdamW, bench.py's peak-memory path;
 #   2. 20 compiled training steps of every variant at M (batch 16 x 1024, bf16) on random tokens;
-#   3. bench.py --size M with its defaults;
+#   3. bench.py --size M with its defaults, then with the fused kernels and/or bf16 streams;
 #   4. a table: training tokens/s and MFU, bench step time and peak memory, max |row/col sum - 1|.
 # Usage: bash scripts/gpu_check.sh [OUT_DIR]    (default out/gpu_check; logs and JSON land there)
 set -euo pipefail
@@ -36,6 +36,12 @@ echo "gpu_check: 3/4 bench.py --size M (defaults)"
 rm -f "$OUT/bench.json"
 "$PYTHON" bench.py --size M --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | grep -vE "it/s|s/it" || true
 [ -f "$OUT/bench.json" ] || { echo "error: bench.py failed; see $OUT/bench.log" >&2; exit 1; }
+# The two speed options against the same res, without the recompute rows and micro-benchmarks.
+for option in "--fused_connections on" "--stream_dtype bfloat16" "--fused_connections on --stream_dtype bfloat16"; do
+    name=$(echo "$option" | tr -d '-' | tr ' ' '_')
+    "$PYTHON" bench.py --size M --recompute off --no-micro $option --json "$OUT/bench-$name.json" \
+        2>&1 | tee "$OUT/bench-$name.log" | grep -vE "it/s|s/it" || true
+done
 
 echo "gpu_check: 4/4 summary"
 "$PYTHON" scripts/gpu_check.py table "$OUT" | tee "$OUT/summary.md"
