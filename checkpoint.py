@@ -9,6 +9,7 @@ torch.load(weights_only=True) and never runs pickled code.
 """
 
 import contextlib
+import dataclasses
 import fcntl
 import os
 import re
@@ -121,7 +122,9 @@ def check_same_run(ckpt, config, path):
 
 
 def check_same_model(ckpt, model_args, path):
-    saved = ckpt["model_args"]
+    # Settings added after a checkpoint was written take their defaults, which is what it used.
+    saved = {**{f.name: f.default for f in dataclasses.fields(GPTConfig) if f.name not in ckpt["model_args"]},
+             **ckpt["model_args"]}
     differ = sorted(k for k in set(saved) | set(model_args)
                     if k not in EXECUTION_KEYS and saved.get(k) != model_args.get(k))
     if differ:

@@ -429,3 +429,19 @@ def test_sweep_dry_run_lists_the_table1_runs_and_skips_or_resumes(tmp_path):
     proc = sweep("--residuals", "foo")
     assert proc.returncode == 2
     assert_one_error_line(proc.stderr, "unknown residual 'foo'")
+
+
+def test_resume_accepts_checkpoints_older_than_a_setting_and_a_fused_switch(data_dir, tmp_path):
+    """A checkpoint written before stream_dtype/fused_connections existed resumes (it used their
+    defaults); fused_connections may change on resume (same model); stream_dtype may not."""
+    out = tmp_path / "run"
+    train.main(tiny_args(data_dir, out, max_iters=2, eval_interval=2))
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    for key in ("stream_dtype", "fused_connections"):
+        del ckpt["model_args"][key]
+    torch.save(ckpt, out / "ckpt.pt")
+    train.main(tiny_args(data_dir, out, max_iters=3, eval_interval=3, init_from="resume"))
+    train.main(tiny_args(data_dir, out, max_iters=4, eval_interval=4, init_from="resume", fused_connections=True))
+    proc = run_cli(tiny_args(data_dir, out, max_iters=5, init_from="resume", stream_dtype="bfloat16"))
+    assert proc.returncode == 2
+    assert_one_error_line(proc.stderr, "stream_dtype: checkpoint 'float32' vs run 'bfloat16'")
