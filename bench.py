@@ -295,14 +295,15 @@ def bench_models(configs, baselines, args, device):
         optimizers = {name: make_optimizer(model, device) for name, model in models.items()}
         runners = {name: torch.compile(model) for name, model in models.items()} if args.use_compile else models
 
-        def step_of(name):
+        def step_of(runner, optimizer):
             def step(r):
                 x, y = batches[r % len(batches)]
-                train_step(runners[name], optimizers[name], x, y, ctx)
+                train_step(runner, optimizer, x, y, ctx)
             return step
 
         desc = "train steps" + (f", group {index + 1}/{len(groups)}" if len(groups) > 1 else "")
-        times = interleaved_times({name: step_of(name) for name in models}, args.warmup + args.steps, args.warmup,
+        steps = {name: step_of(runners[name], optimizers[name]) for name in models}
+        times = interleaved_times(steps, args.warmup + args.steps, args.warmup,
                                   device, desc)
         for name, row in summarise(times, baselines).items():
             if name in summary:
@@ -316,7 +317,7 @@ def bench_models(configs, baselines, args, device):
                        saved_activation_bytes=saved_activation_bytes(model, x, y, ctx),
                        cuda_peak_bytes=sum(memory[name]) if cuda else None)
             summary[name] = row
-        del models, optimizers, runners
+        del models, optimizers, runners, steps
         free_device_memory(device)
     summary = {name: summary[name] for name in configs}
     for name, row in summary.items():

@@ -25,7 +25,7 @@ def test_random_data_trains_and_the_table_reports_every_variant(tmp_path):
     tokens = np.fromfile(tmp_path / "data" / "random" / "train.bin", dtype=np.uint16)
     assert tokens.max() < 50257 and len(np.unique(tokens[:100000])) > 40000
     for residual in ("res", "mhclite"):
-        train.main([f"--dataset=random", f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / f'train-{residual}'}",
+        train.main(["--dataset=random", f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / f'train-{residual}'}",
                     "--size=tiny", f"--residual={residual}", "--n_layer=1", "--block_size=32", "--batch_size=2",
                     "--gradient_accumulation_steps=1", "--max_iters=6", "--warmup_iters=2", "--eval_interval=6",
                     "--eval_iters=1", "--log_interval=2", "--device=cpu", "--compile=false"])

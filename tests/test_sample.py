@@ -12,7 +12,7 @@ import sample
 import train
 from checkpoint import load_model
 from config import REPO_DIR
-from test_train import data_dir, tiny_args  # noqa: F401 (data_dir is a fixture)
+from test_train import tiny_args
 
 VARIANTS = ("res", "hc", "mhc", "mhclite")
 BLOCK = 32  # tiny_args' block_size
@@ -28,7 +28,7 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def run_dirs(data_dir, tmp_path_factory):  # noqa: F811
+def run_dirs(data_dir, tmp_path_factory):
     """{variant: run directory} of a few training steps each."""
     root = tmp_path_factory.mktemp("sample_runs")
     dirs = {}

@@ -4,7 +4,6 @@ injected NaN, damaged checkpoints and the one-line errors."""
 import json
 import math
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -21,8 +20,6 @@ from config import REPO_DIR, load_config
 TRAIN_KEYS = {"step", "train_loss", "lr", "grad_norm", "tokens_per_s", "step_ms", "mfu"}
 EVAL_KEYS = {"step", "eval_train_loss", "val_loss"}
 FIRST_STEP_KEYS = {"step", "first_step_s", "compiled"}
-WORDS = ("the king and queen of a far land rode to the old castle where one bold knight kept "
-         "watch over the river and the hills").split()
 
 
 @pytest.fixture(autouse=True)
@@ -32,26 +29,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    """A ~25 KB char-level corpus in nanoGPT format: seeded random lines of a few words."""
-    root = tmp_path_factory.mktemp("data")
-    rng = random.Random(0)
-    text = "\n".join(" ".join(rng.choice(WORDS) for _ in range(10)) for _ in range(450)) + "\n"
-    chars = sorted(set(text))
-    ids = np.array([chars.index(c) for c in text], dtype=np.uint16)
-    n_train = int(0.9 * len(ids))
-    folder = root / "toy"
-    folder.mkdir()
-    ids[:n_train].tofile(folder / "train.bin")
-    ids[n_train:].tofile(folder / "val.bin")
-    meta = dict(dataset="toy", tokenizer="char", vocab_size=len(chars), train_tokens=n_train,
-                val_tokens=len(ids) - n_train, dtype="uint16", source="test", split_seed=0, val_fraction=0.1,
-                itos=chars)
-    (folder / "meta.json").write_text(json.dumps(meta))
-    return root
 
 
 def tiny_args(data_dir, out_dir, **overrides):

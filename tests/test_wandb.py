@@ -10,7 +10,7 @@ import pytest
 
 import train
 from config import REPO_DIR
-from test_train import assert_one_error_line, data_dir, read_all_metrics, tiny_args  # noqa: F401 (fixture)
+from test_train import assert_one_error_line, read_all_metrics, tiny_args
 
 wandb = pytest.importorskip("wandb")
 from wandb.proto import wandb_internal_pb2  # noqa: E402
@@ -57,7 +57,7 @@ def wandb_config(path):
             return {item.key: json.loads(item.value_json) for item in record.run.config.update}
 
 
-def test_offline_wandb_run_holds_every_metric_at_its_step(data_dir, tmp_path):  # noqa: F811
+def test_offline_wandb_run_holds_every_metric_at_its_step(data_dir, tmp_path):
     out = tmp_path / "run"
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", WANDB_DIR=str(tmp_path), WANDB_SILENT="true",
                HF_HUB_OFFLINE="1")
@@ -87,7 +87,7 @@ def test_offline_wandb_run_holds_every_metric_at_its_step(data_dir, tmp_path):  
     assert (config["residual"], config["max_iters"], config["wandb_run_name"]) == ("mhclite", 20, "tiny-wandb")
 
 
-def test_missing_wandb_is_one_line_before_any_work(data_dir, tmp_path, monkeypatch, capsys):  # noqa: F811
+def test_missing_wandb_is_one_line_before_any_work(data_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb now raises ImportError
     with pytest.raises(SystemExit) as info:
         train.main(tiny_args(data_dir, tmp_path / "run", wandb_log=True))
@@ -96,7 +96,7 @@ def test_missing_wandb_is_one_line_before_any_work(data_dir, tmp_path, monkeypat
     assert not (tmp_path / "run").exists()
 
 
-def test_a_failing_wandb_init_is_one_line(data_dir, tmp_path, monkeypatch, capsys):  # noqa: F811
+def test_a_failing_wandb_init_is_one_line(data_dir, tmp_path, monkeypatch, capsys):
     def refuse(**kwargs):
         raise wandb.errors.UsageError("api_key not configured (no-tty). call wandb.login(key=[your_api_key])\nmore")
 
