@@ -6,6 +6,7 @@ import random
 
 import numpy as np
 import pytest
+import torch
 
 # Tests never touch the network and never need wandb.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -34,3 +35,12 @@ def data_dir(tmp_path_factory):
                 itos=chars)
     (folder / "meta.json").write_text(json.dumps(meta))
     return root
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models run fastest on one thread, and the CPU is shared."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

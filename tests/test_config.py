@@ -24,6 +24,15 @@ def test_defaults_are_the_papers_setup():
     assert cfg.batch_size * cfg.block_size * cfg.gradient_accumulation_steps == 131072
 
 
+def assert_one_line_config_error(arg, words):
+    with pytest.raises(ConfigError) as info:
+        load_config([arg])
+    message = str(info.value)
+    assert "\n" not in message
+    for word in words:
+        assert word in message
+
+
 @pytest.mark.parametrize("size, lr, min_lr", [("S", 1e-3, 1e-4), ("M", 6e-4, 6e-5), ("L", 3e-4, 3e-5)])
 def test_size_files_and_size_override_give_the_papers_learning_rates(size, lr, min_lr):
     from_file = load_config([os.path.join(REPO_DIR, "configs", f"{size}.py")])
@@ -81,12 +90,7 @@ def test_values_are_coerced_to_the_field_types():
     ("max_iters=5", ["cannot parse argument"]),
 ])
 def test_bad_values_give_one_clear_line(arg, words):
-    with pytest.raises(ConfigError) as info:
-        load_config([arg])
-    message = str(info.value)
-    assert "\n" not in message
-    for word in words:
-        assert word in message
+    assert_one_line_config_error(arg, words)
 
 
 def test_unknown_key_or_bad_type_in_a_file_names_the_file(tmp_path):
@@ -183,12 +187,7 @@ def test_train_cli_prints_one_error_line_and_exits_2(args, words):
     ("--seed=-1", ["seed must be in [0, 2**31)"]),
 ])
 def test_numeric_settings_out_of_range_give_one_clear_line(arg, words):
-    with pytest.raises(ConfigError) as info:
-        load_config([arg])
-    message = str(info.value)
-    assert "\n" not in message
-    for word in words:
-        assert word in message
+    assert_one_line_config_error(arg, words)
 
 
 def test_a_min_lr_left_at_the_size_default_says_so():

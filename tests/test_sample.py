@@ -19,12 +19,7 @@ BLOCK = 32  # tiny_args' block_size
 LONG_PROMPT = "the king rode to the old castle and the queen kept watch over the river\n"  # > BLOCK chars
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -22,13 +22,7 @@ EVAL_KEYS = {"step", "eval_train_loss", "val_loss"}
 FIRST_STEP_KEYS = {"step", "first_step_s", "compiled"}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread, and the CPU is shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_args(data_dir, out_dir, **overrides):
