@@ -51,7 +51,7 @@ from tqdm import tqdm
 import fused_connections
 from model import GPT, STREAM_DTYPES, GPTConfig, connection_options, model_shape
 from residuals import RESIDUALS, permutation_matrices, sinkhorn
-from train import PEAK_FLOPS
+from train import PEAK_FLOPS, synchronize
 
 HC_FAMILY = ("hc", "mhc", "mhclite")
 RECOMPUTE_SUFFIX = "+recompute"
@@ -148,11 +148,6 @@ def train_step(model, optimizer, x, y, ctx):
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss.detach()
-
-
-def synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # ----------------------------------------------------------------------------------------------

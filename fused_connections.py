@@ -151,7 +151,7 @@ def _kernels():
     """The Triton kernels, defined on first use: triton is imported only then, so importing this
     module (model.py does) never imports triton, and TRITON_INTERPRET, which triton reads when it
     is imported, can still be set by a test module collected after model.py's importers."""
-    global triton, tl, round_to_bf16  # kernels find what they call among the module's globals
+    global triton, tl, round_to_bf16, dot_accumulate  # kernels find what they call among the module's globals
     import triton
     import triton.language as tl
 
@@ -162,6 +162,17 @@ def _kernels():
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def dot_accumulate(a, b, acc, OPERANDS: tl.constexpr):
+        """acc + a @ b in fp32, the operands as _dot_operands says; fp32 means fp32, never TF32."""
+        if OPERANDS == "bf16":
+            out = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
+        elif OPERANDS == "bf16_rounded":
+            out = tl.dot(round_to_bf16(a), round_to_bf16(b), acc, input_precision="ieee")
+        else:
+            out = tl.dot(a, b, acc, input_precision="ieee")
+        return out
 
     @triton.jit
     def rms_projection_forward_kernel(rows_ptr, weight_ptr, p_ptr, z_ptr, rms_inv_ptr, M, N, D, eps,
@@ -182,12 +193,7 @@ def _kernels():
             weight_t = tl.load(weight_ptr + logit[None, :] * D + depth[:, None],
                                mask=logit_ok[None, :] & depth_ok[:, None], other=0.0)
             sum_sq += tl.sum(rows * rows, axis=1)
-            if OPERANDS == "bf16":
-                z = tl.dot(rows.to(tl.bfloat16), weight_t.to(tl.bfloat16), z)
-            elif OPERANDS == "bf16_rounded":
-                z = tl.dot(round_to_bf16(rows), round_to_bf16(weight_t), z, input_precision="ieee")
-            else:
-                z = tl.dot(rows, weight_t, z, input_precision="ieee")  # never TF32: fp32 means fp32
+            z = dot_accumulate(rows, weight_t, z, OPERANDS)
         rms_inv = tl.rsqrt(sum_sq / D + eps)
         out = row[:, None] * N + logit[None, :]
         out_ok = row_ok[:, None] & logit_ok[None, :]
@@ -213,16 +219,10 @@ def _kernels():
             depth_ok = depth < D
             weight = tl.load(weight_ptr + logit[:, None] * D + depth[None, :],
                              mask=logit_ok[:, None] & depth_ok[None, :], other=0.0)
-            if OPERANDS == "bf16":
-                grad = tl.dot(grad_z.to(tl.bfloat16), weight.to(tl.bfloat16))
-            elif OPERANDS == "bf16_rounded":
-                grad = tl.dot(round_to_bf16(grad_z), round_to_bf16(weight), input_precision="ieee")
-            else:
-                grad = tl.dot(grad_z, weight, input_precision="ieee")
             tile = row_start[:, None] + depth[None, :]
             tile_ok = row_ok[:, None] & depth_ok[None, :]
             rows = tl.load(rows_ptr + tile, mask=tile_ok, other=0.0).to(tl.float32)
-            grad += rows * row_coef[:, None]
+            grad = dot_accumulate(grad_z, weight, rows * row_coef[:, None], OPERANDS)
             tl.store(grad_rows_ptr + tile, grad.to(grad_rows_ptr.dtype.element_ty), mask=tile_ok)
 
     @triton.jit

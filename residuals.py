@@ -198,9 +198,8 @@ class Residual(nn.Module):
 class StreamConnection(nn.Module):
     """Shared part of hc, mhc and mhclite: the projection, the pre-aggregation and the mixing.
 
-    Subclasses define `projection_rows(x)` (the rows that are RMS-normalised and projected),
-    `projection_weight()` (the projection with the norm gain folded in) and
-    `coefficients_from_projection(p) -> dict` with fp32 "h_pre" (B, T, n), "h_post" (B, T, n),
+    Subclasses define a projection `proj` with its norm gain `norm_gain`, `projection_rows(x)` (the
+    rows that are RMS-normalised and projected) and `coefficients_from_projection(p) -> dict` with fp32 "h_pre" (B, T, n), "h_post" (B, T, n),
     "h_res" (B, T, n, n) and any extra entries worth recording for analysis.
     """
 
@@ -213,6 +212,10 @@ class StreamConnection(nn.Module):
         self.width, self.n_streams, self.wrapper_index = width, n_streams, wrapper_index
         self.stream_index = wrapper_index % n_streams  # the stream this wrapper reads at init
         self.recompute = recompute
+
+    def projection_weight(self):
+        """The projection with the RMSNorm gain folded in (every subclass has `proj` and `norm_gain`)."""
+        return self.proj.weight * self.norm_gain
 
     def coefficients(self, x, matmul_dtype=None):
         """The coefficients of x (fp32); the projection GEMM in matmul_dtype when given."""
@@ -333,9 +336,6 @@ class HyperConnection(StreamConnection):
     def projection_rows(self, x):
         return x  # every stream normalised and projected on its own: (B, T, n, C)
 
-    def projection_weight(self):
-        return self.proj.weight * self.norm_gain
-
     def coefficients_from_projection(self, p):
         n = self.n_streams
         p = torch.tanh(p)  # (B, T, n, n+2)
@@ -373,9 +373,6 @@ class ManifoldConnectionBase(StreamConnection):
 
     def projection_rows(self, x):
         return x.flatten(-2)  # one RMSNorm over all n*C entries: (B, T, n*C)
-
-    def projection_weight(self):
-        return self.proj.weight * self.norm_gain
 
     def coefficients_from_projection(self, p):
         n = self.n_streams

@@ -14,6 +14,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench import fmt, markdown_table  # noqa: E402
 from checkpoint import load_model  # noqa: E402
 from residuals import capture_connections  # noqa: E402
 
@@ -63,10 +64,6 @@ def stochasticity_errors(run_dir, device):
     return (h.sum(-1) - 1).abs().max().item(), (h.sum(-2) - 1).abs().max().item()
 
 
-def fmt(value, spec):
-    return "-" if value is None else format(value, spec)
-
-
 def table(out_dir):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     with open(os.path.join(out_dir, "bench.json"), encoding="utf-8") as f:
@@ -85,11 +82,9 @@ def table(out_dir):
                      fmt(b.get("cuda_peak_ratio"), ".2f"), fmt(row_error, ".1e"), fmt(col_error, ".1e")])
     header = ["variant", "train tok/s", "train MFU", "bench ms", "x res", "peak GiB", "peak x res",
               "max|rowsum-1|", "max|colsum-1|"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
     print(f"{bench['device_name']}, torch {bench['torch']}; training: 20 compiled steps at M on random tokens; "
           f"bench: {bench['command']}\n")
-    print("\n".join(lines))
+    print(markdown_table(header, rows))
 
 
 def main(argv):
