@@ -1,114 +1,160 @@
-"""Triton kernels for the HC-family connections (hc, mhc, mhclite), as torch.library custom ops.
+"""The HC-family connections (hc, mhc, mhclite) through Triton kernels, as torch.library custom ops.
 
 residuals.py is the reference: `connection_forward(module, x, branch)` computes what
-`module(x, branch)` computes (StreamConnection.forward), cut into four steps per token:
+`module(x, branch)` computes (StreamConnection.forward) for n = 4 streams, in two custom ops
+around the branch, each with one forward and one backward kernel (fused_kernels.py):
 
-    p        = rms_projection(rows, weight)           Triton: RMS factor and projection GEMM, one pass
-    coeffs   = module.coefficients_from_projection(p) torch (fp32): tanh/sigmoid/Sinkhorn/permutations
-    u, mixed = stream_mix(x, h_pre, h_res)            Triton: u = sum_j h_pre[j] x[j],
-                                                              mixed[i] = sum_j h_res[i, j] x[j]
-    x_next   = stream_post(mixed, h_post, branch(u))  Triton: mixed[i] + h_post[i] * y, stored in x.dtype
+    u, h_pre, h_post, h_res, z, rms_inv, next_grad = connection_pre(x, weight, scale, bias, ...)
+    y      = branch(u)
+    x_next = connection_post(x, h_post, h_res, y, next_grad)
 
-The three ops are custom ops with Triton kernels, fake implementations and registered autograd
-formulas whose Triton parts are custom ops too (rms_projection_rows_backward, stream_mix_backward,
-stream_post_backward), so torch.compile(fullgraph=True) keeps every kernel as one opaque node in
-the forward and in the backward graph. The coefficient math stays in torch: it is tiny (n^2 + 2n
-numbers per token) and is the part that differs between variants.
+connection_pre runs the RMS factor, the projection GEMM (bf16 operands under bf16 autocast, fp32
+accumulation), the coefficient math in registers (hc's tanh, mhc's 20 log-space Sinkhorn
+iterations, mhclite's softmax and exact combination of permutation matrices) and u = sum_j
+h_pre[j] x[j]. connection_post computes x_next = h_res x + h_post y from x and stores it in x's
+dtype. Backward: connection_post's backward kernel (before the branch's backward) makes grad y and
+grad h_post; it hands the incoming gradient g on, untouched, as the gradient of `next_grad`, a
+zero-storage output of connection_pre of x's shape, so that connection_pre's backward kernel
+(after the branch's backward) has g, grad u and x together: it makes the coefficient gradients,
+runs the coefficient math backward in registers (mhc: Sinkhorn recomputed from checkpoints), and
+writes grad x once with the mixing, projection and RMS terms in it, while it reduces the
+projection weight's gradient into per-program partials (WEIGHT_GRAD_PROGRAMS of them, summed by
+one small torch reduction). No autograd add of two full-size gradients, no cast copy of x. Saved
+for backward: x and per token O(n^2) floats (z, rms_inv, the coefficients), nothing n x C wide.
 
-Bytes moved per token (n streams of width C; s = bytes of an x element, 4 for float32 streams and 2
-for bfloat16 streams; s_y = bytes of a branch output element; the O(n^2) coefficient and projection
-logit traffic is left out):
-  forward   rms_projection reads x                                      nCs
-            stream_mix reads x, writes u and mixed (fp32)               nCs + 4C + 4nC
-            stream_post reads mixed and y, writes x_next                4nC + s_y C + nCs
-            total                                                       3nCs + 8nC + (4 + s_y)C
-  backward  stream_post_backward reads grad x_next and y, writes grad y  nCs + 2 s_y C
-            grad mixed = grad x_next widened to fp32 (torch; nothing     bf16 streams: nCs + 4nC
-              for fp32 streams, where it is the same tensor)
-            stream_mix_backward reads grad u, grad mixed and x,         4C + 4nC + 2nCs
-              writes grad x
-            rms_projection_rows_backward reads x, writes grad rows      2nCs
-            grad weight GEMM (torch) reads x                            nCs, plus a cast copy of x
-                                                                          when its dtype is not the
-                                                                          GEMM operand dtype
-            autograd adds the two grads of x (projection, mix)          3nCs
-            total, fp32 streams                                         9nCs + 4nC + (4 + 2 s_y)C
-            total, bf16 streams                                         10nCs + 8nC + (4 + 2 s_y)C
-For n = 4, C = 768, bfloat16 streams and a bfloat16 branch: 47,616 bytes forward, 92,160 backward.
-
-Memory: the ops save x (the caller's tensor, through views), y (C values per token) and the
-coefficients; the fp32 `mixed` is freed once stream_post has run, since no backward needs it. So
-the connection's `recompute` option (which checkpoints the coefficients and the mixing in
-residuals.py) has nothing to save here and is not used on this path.
+Bytes moved per token and connection (n = 4, C = 768, bf16 branch output, bf16 autocast),
+counted by `python scripts/count_bytes.py` (each kernel in Triton's interpreter, each address
+once per launch, plus every torch op between the kernels; per-token slope between two token
+counts): see docs/benchmarks.md for the table and the floor 7 nCs + 16 C.
 
 CUDA is the target. On CPU the same kernels run in Triton's interpreter, for tests only: a CPU
 tensor takes this path only when INTERPRET_ON_CPU is set and TRITON_INTERPRET=1, which must be set
-before triton is imported (this module imports it at its first kernel launch).
+before triton is imported (fused_kernels.py, imported at the first kernel launch, imports it).
 """
 
 import functools
 import importlib.util
 import os
-import types
 
 import torch
 
-from residuals import RMS_EPS, StreamConnection, autocast_matmul_dtype, record_coefficients
+import residuals
+from residuals import RMS_EPS, HyperConnection, ManifoldHyperConnection, StreamConnection, autocast_matmul_dtype
 
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 
 # Tests set this to drive the kernels through Triton's interpreter on CPU tensors.
 INTERPRET_ON_CPU = False
 
-# Tile sizes (constexprs): rows and depth chunk of the projection, channel chunk of the mixing.
-PROJECTION_BLOCK_ROWS = 32
-PROJECTION_BLOCK_DEPTH = 128
-BLOCK_CHANNELS = 256
-
+STREAMS = 4  # the kernels are written for n = 4 streams
 STREAM_DTYPES = (torch.float32, torch.bfloat16)
+MIN_SINKHORN_ITERS = 4  # the Sinkhorn backward keeps four checkpoints
+
+# Tile sizes (constexprs): tokens per program and channels per loop step.
+BLOCK_TOKENS = 16
+BLOCK_CHANNELS = 32
+# Programs of the backward kernel, each with its own weight-sized partial of grad W: a fixed number,
+# so that the partials cost the same whatever the token count.
+WEIGHT_GRAD_PROGRAMS = 128
+
+
+def unsupported_reason(module, x) -> str | None:
+    """Why connection_forward cannot run `module` on x here, or None when it can (traceable)."""
+    if not TRITON_AVAILABLE:
+        return "triton is not installed"
+    if not isinstance(module, StreamConnection):
+        return "not an HC-family connection"
+    if module.n_streams != STREAMS:
+        return "the kernels are written for n_streams = 4"
+    if isinstance(module, ManifoldHyperConnection) and module.sinkhorn_iters < MIN_SINKHORN_ITERS:
+        return "the kernels need sinkhorn_iters >= 4"
+    if x.dtype not in STREAM_DTYPES:
+        return "the kernels take float32 or bfloat16 streams"
+    if x.dim() != 4 or x.shape[-2] != module.n_streams or x.shape[-1] != module.width:
+        return "x is not (B, T, n, C) for this connection"
+    if x.device.type == "cuda":
+        return None
+    if x.device.type == "cpu" and INTERPRET_ON_CPU and os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    return "the kernels run on CUDA tensors (on CPU only in Triton's interpreter, for tests)"
 
 
 def supported(module, x) -> bool:
-    """Whether connection_forward can run `module` on x here (attribute checks only, traceable)."""
-    if not TRITON_AVAILABLE or not isinstance(module, StreamConnection):
-        return False
-    if x.dtype not in STREAM_DTYPES or x.dim() != 4 or x.shape[-2] != module.n_streams or x.shape[-1] != module.width:
-        return False
-    if x.device.type == "cuda":
-        return True
-    return x.device.type == "cpu" and INTERPRET_ON_CPU and os.environ.get("TRITON_INTERPRET") == "1"
+    """Whether connection_forward can run `module` on x here."""
+    return unsupported_reason(module, x) is None
 
 
 def connection_forward(module, x, branch):
     """module(x, branch) for an HC-family connection, through the fused ops (x: (B, T, n, C))."""
     batch, time, n, width = x.shape
-    tokens = batch * time
+    rows = x.reshape(batch * time, n, width)
     bf16_operands = autocast_matmul_dtype(x.device.type) == torch.bfloat16
     with torch.autocast(x.device.type, enabled=False):
-        rows = module.projection_rows(x)
-        weight = module.projection_weight().float()
-        p = rms_projection(rows.reshape(-1, rows.shape[-1]), weight, bf16_operands)[0]
-        coeffs = module.coefficients_from_projection(p.view(*rows.shape[:-1], weight.shape[0]))
-        branch_input, mixed = stream_mix(x.reshape(tokens, n, width), coeffs["h_pre"].reshape(tokens, n),
-                                         coeffs["h_res"].reshape(tokens, n, n))
-    record_coefficients(module, coeffs)
-    y = branch(branch_input.view(batch, time, width))
+        variant, weight, scale, bias, perm_matrices, iters = _packed_parameters(module)
+        u, h_pre, h_post, h_res, z, rms_inv, next_grad = connection_pre(rows, weight, scale, bias, perm_matrices,
+                                                                        variant, iters, bf16_operands)
+    if residuals._capture_records is not None:
+        _record(module, (batch, time), h_pre, h_post, h_res, z, rms_inv)
+    y = branch(u.view(batch, time, width))
     with torch.autocast(x.device.type, enabled=False):
-        x_next = stream_post(mixed, coeffs["h_post"].reshape(tokens, n), y.reshape(tokens, width), x.dtype)
+        x_next = connection_post(rows, h_post, h_res, y.reshape(batch * time, width), next_grad)
     return x_next.view(batch, time, n, width)
 
 
+def _packed_parameters(module):
+    """(variant, weight, scale, bias, perm_matrices, sinkhorn_iters) as the kernels read them (fp32):
+    mhc/mhclite logits l[k] = scale[k] p[k] + bias[k] over [pre | post | res];
+    hc A[i, k] = bias[i, k] + scale[k] tanh(p[i, k]) with bias = [static_alpha | static_beta]."""
+    n = module.n_streams
+    weight = module.projection_weight().float()
+    empty = weight.new_empty((0, n * n))
+    if isinstance(module, HyperConnection):
+        scale = torch.cat([module.scale_alpha.expand(n + 1), module.scale_beta.expand(1)])
+        bias = torch.cat([module.static_alpha, module.static_beta[:, None]], dim=1)
+        return "hc", weight, scale.float(), bias.float(), empty, 0
+    res = module.res_logits
+    scale = torch.cat([module.scale_pre.expand(n), module.scale_post.expand(n), module.scale_res.expand(res)])
+    bias = torch.cat([module.bias_pre, module.bias_post, module.bias_res])
+    if isinstance(module, ManifoldHyperConnection):
+        return "mhc", weight, scale.float(), bias.float(), empty, module.sinkhorn_iters
+    return "mhclite", weight, scale.float(), bias.float(), module.perm_matrices, 0
+
+
+@torch.no_grad()
+def _record(module, leading, h_pre, h_post, h_res, z, rms_inv):
+    """Hand the kernels' coefficients (and the variant's extras, recomputed in torch from the
+    projection) to an active residuals.capture_connections() context."""
+    p = z * (rms_inv[..., None] if z.dim() == 3 else rms_inv[:, None])
+    coeffs = module.coefficients_from_projection(p.view(*leading, *p.shape[1:]))
+    coeffs.update(h_pre=h_pre.view(*leading, -1), h_post=h_post.view(*leading, -1),
+                  h_res=h_res.view(*leading, *h_res.shape[1:]))
+    residuals.record_coefficients(module, coeffs)
+
+
 # ----------------------------------------------------------------------------------------------
-# Launching
+# Launching: every kernel launch goes through _launch (scripts/count_bytes.py counts them there).
 
 
-def _launch(name, grid, device, *args, **constexprs):
-    kernel = getattr(_kernels(), name)
+@functools.cache
+def _kernel_module():
+    """fused_kernels, imported at the first launch: importing this module (model.py does) never
+    imports triton, so TRITON_INTERPRET, read when triton is imported, can still be set later."""
+    import fused_kernels
+    return fused_kernels
+
+
+def kernel(kernel_name):
+    """The Triton JITFunction (an InterpretedFunction under TRITON_INTERPRET=1) called kernel_name."""
+    return getattr(_kernel_module(), kernel_name)
+
+
+def _launch(kernel_name, grid, device, *args, **constexprs):
+    fn = kernel(kernel_name)
     if device.type == "cuda":
         with torch.cuda.device(device):  # triton launches on the current device
-            kernel[grid](*args, **constexprs)
+            fn[grid](*args, **constexprs)
     else:
-        kernel[grid](*args, **constexprs)  # CPU tensors: only under TRITON_INTERPRET=1 (see supported)
+        fn[grid](*args, **constexprs)  # CPU tensors: only under TRITON_INTERPRET=1 (see unsupported_reason)
 
 
 def _cdiv(a, b):
@@ -119,17 +165,8 @@ def _power_of_two_at_least(n):
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _streams_block(n):
-    return _power_of_two_at_least(n)  # tensor dims are powers of two; the padding is masked
-
-
-def _mix_channels_block(n):
-    """The mixing kernels hold an (n, n, BLOCK_C) product tile: at most 4096 fp32 values."""
-    return max(1, min(BLOCK_CHANNELS, 4096 // _streams_block(n) ** 2))
-
-
 def _dot_operands(bf16_operands, device):
-    """How the projection kernels multiply: "fp32", "bf16" (tensor cores), or "bf16_rounded":
+    """How the projection GEMMs multiply: "fp32", "bf16" (tensor cores), or "bf16_rounded":
     operands rounded to bf16 and multiplied in fp32, the same exact products, for Triton's
     interpreter, whose tl.dot multiplies bf16 tiles as their raw 16-bit patterns (triton 3.9)
     and whose bf16 casts truncate."""
@@ -138,180 +175,10 @@ def _dot_operands(bf16_operands, device):
     return "bf16" if device.type == "cuda" else "bf16_rounded"
 
 
-def _logits_block(n):
-    return max(16, _power_of_two_at_least(n))  # tl.dot needs every dimension >= 16
-
-
-# ----------------------------------------------------------------------------------------------
-# Kernels
-
-
-@functools.cache
-def _kernels():
-    """The Triton kernels, defined on first use: triton is imported only then, so importing this
-    module (model.py does) never imports triton, and TRITON_INTERPRET, which triton reads when it
-    is imported, can still be set by a test module collected after model.py's importers."""
-    global triton, tl, round_to_bf16, dot_accumulate  # kernels find what they call among the module's globals
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def round_to_bf16(x):
-        """fp32 x rounded to the nearest bf16 (ties to even), kept in fp32; by its bits, because the
-        interpreter's fp32 -> bf16 conversion truncates."""
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def dot_accumulate(a, b, acc, OPERANDS: tl.constexpr):
-        """acc + a @ b in fp32, the operands as _dot_operands says; fp32 means fp32, never TF32."""
-        if OPERANDS == "bf16":
-            out = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
-        elif OPERANDS == "bf16_rounded":
-            out = tl.dot(round_to_bf16(a), round_to_bf16(b), acc, input_precision="ieee")
-        else:
-            out = tl.dot(a, b, acc, input_precision="ieee")
-        return out
-
-    @triton.jit
-    def rms_projection_forward_kernel(rows_ptr, weight_ptr, p_ptr, z_ptr, rms_inv_ptr, M, N, D, eps,
-                                      OPERANDS: tl.constexpr, BLOCK_M: tl.constexpr,
-                                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-        row = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        logit = tl.arange(0, BLOCK_N)
-        row_ok = row < M
-        logit_ok = logit < N
-        row_start = row.to(tl.int64) * D
-        z = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for start in range(0, D, BLOCK_D):
-            depth = start + tl.arange(0, BLOCK_D)
-            depth_ok = depth < D
-            rows = tl.load(rows_ptr + row_start[:, None] + depth[None, :],
-                           mask=row_ok[:, None] & depth_ok[None, :], other=0.0).to(tl.float32)
-            weight_t = tl.load(weight_ptr + logit[None, :] * D + depth[:, None],
-                               mask=logit_ok[None, :] & depth_ok[:, None], other=0.0)
-            sum_sq += tl.sum(rows * rows, axis=1)
-            z = dot_accumulate(rows, weight_t, z, OPERANDS)
-        rms_inv = tl.rsqrt(sum_sq / D + eps)
-        out = row[:, None] * N + logit[None, :]
-        out_ok = row_ok[:, None] & logit_ok[None, :]
-        tl.store(z_ptr + out, z, mask=out_ok)
-        tl.store(p_ptr + out, z * rms_inv[:, None], mask=out_ok)
-        tl.store(rms_inv_ptr + row, rms_inv, mask=row_ok)
-
-    @triton.jit
-    def rms_projection_backward_kernel(rows_ptr, weight_ptr, grad_z_ptr, row_coef_ptr, grad_rows_ptr, M, N, D,
-                                       OPERANDS: tl.constexpr, BLOCK_M: tl.constexpr,
-                                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-        """grad_rows = grad_z @ weight + rows * row_coef, one pass over rows."""
-        row = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        logit = tl.arange(0, BLOCK_N)
-        row_ok = row < M
-        logit_ok = logit < N
-        row_start = row.to(tl.int64) * D
-        grad_z = tl.load(grad_z_ptr + row[:, None] * N + logit[None, :],
-                         mask=row_ok[:, None] & logit_ok[None, :], other=0.0)
-        row_coef = tl.load(row_coef_ptr + row, mask=row_ok, other=0.0)
-        for start in range(0, D, BLOCK_D):
-            depth = start + tl.arange(0, BLOCK_D)
-            depth_ok = depth < D
-            weight = tl.load(weight_ptr + logit[:, None] * D + depth[None, :],
-                             mask=logit_ok[:, None] & depth_ok[None, :], other=0.0)
-            tile = row_start[:, None] + depth[None, :]
-            tile_ok = row_ok[:, None] & depth_ok[None, :]
-            rows = tl.load(rows_ptr + tile, mask=tile_ok, other=0.0).to(tl.float32)
-            grad = dot_accumulate(grad_z, weight, rows * row_coef[:, None], OPERANDS)
-            tl.store(grad_rows_ptr + tile, grad.to(grad_rows_ptr.dtype.element_ty), mask=tile_ok)
-
-    @triton.jit
-    def stream_mix_forward_kernel(x_ptr, h_pre_ptr, h_res_ptr, u_ptr, mixed_ptr, C,
-                                  N_STREAMS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
-        """One token, one channel chunk: u and every mixed stream from one read of x."""
-        token = tl.program_id(0).to(tl.int64)
-        channel = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        stream = tl.arange(0, BLOCK_S)  # padded to a power of two; the padding reads and writes nothing
-        stream_ok = stream < N_STREAMS
-        channel_ok = channel < C
-        tile = token * N_STREAMS * C + stream[:, None] * C + channel[None, :]
-        tile_ok = stream_ok[:, None] & channel_ok[None, :]
-        x = tl.load(x_ptr + tile, mask=tile_ok, other=0.0).to(tl.float32)
-        h_pre = tl.load(h_pre_ptr + token * N_STREAMS + stream, mask=stream_ok, other=0.0)
-        h_res = tl.load(h_res_ptr + token * N_STREAMS * N_STREAMS + stream[:, None] * N_STREAMS + stream[None, :],
-                        mask=stream_ok[:, None] & stream_ok[None, :], other=0.0)
-        u = tl.sum(h_pre[:, None] * x, axis=0)
-        mixed = tl.sum(h_res[:, :, None] * x[None, :, :], axis=1)
-        tl.store(u_ptr + token * C + channel, u, mask=channel_ok)
-        tl.store(mixed_ptr + tile, mixed, mask=tile_ok)
-
-    @triton.jit
-    def stream_mix_backward_kernel(x_ptr, h_pre_ptr, h_res_ptr, grad_u_ptr, grad_mixed_ptr,
-                                   grad_x_ptr, grad_h_pre_ptr, grad_h_res_ptr, C,
-                                   N_STREAMS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
-        """One token per program, looping over channels: grad x per chunk, coefficient grads summed."""
-        token = tl.program_id(0).to(tl.int64)
-        stream = tl.arange(0, BLOCK_S)
-        stream_ok = stream < N_STREAMS
-        pair = stream[:, None] * N_STREAMS + stream[None, :]
-        pair_ok = stream_ok[:, None] & stream_ok[None, :]
-        h_pre = tl.load(h_pre_ptr + token * N_STREAMS + stream, mask=stream_ok, other=0.0)
-        h_res = tl.load(h_res_ptr + token * N_STREAMS * N_STREAMS + pair, mask=pair_ok, other=0.0)
-        grad_h_pre = tl.zeros((BLOCK_S,), dtype=tl.float32)
-        grad_h_res = tl.zeros((BLOCK_S, BLOCK_S), dtype=tl.float32)
-        for start in range(0, C, BLOCK_C):
-            channel = start + tl.arange(0, BLOCK_C)
-            channel_ok = channel < C
-            tile = token * N_STREAMS * C + stream[:, None] * C + channel[None, :]
-            tile_ok = stream_ok[:, None] & channel_ok[None, :]
-            x = tl.load(x_ptr + tile, mask=tile_ok, other=0.0).to(tl.float32)
-            grad_u = tl.load(grad_u_ptr + token * C + channel, mask=channel_ok, other=0.0).to(tl.float32)
-            grad_mixed = tl.load(grad_mixed_ptr + tile, mask=tile_ok, other=0.0).to(tl.float32)
-            # grad_x[j] = h_pre[j] grad_u + sum_i h_res[i, j] grad_mixed[i]
-            grad_x = h_pre[:, None] * grad_u[None, :] + tl.sum(h_res[:, :, None] * grad_mixed[:, None, :], axis=0)
-            tl.store(grad_x_ptr + tile, grad_x.to(grad_x_ptr.dtype.element_ty), mask=tile_ok)
-            grad_h_pre += tl.sum(x * grad_u[None, :], axis=1)
-            grad_h_res += tl.sum(grad_mixed[:, None, :] * x[None, :, :], axis=2)
-        tl.store(grad_h_pre_ptr + token * N_STREAMS + stream, grad_h_pre, mask=stream_ok)
-        tl.store(grad_h_res_ptr + token * N_STREAMS * N_STREAMS + pair, grad_h_res, mask=pair_ok)
-
-    @triton.jit
-    def stream_post_forward_kernel(mixed_ptr, h_post_ptr, y_ptr, out_ptr, C,
-                                   N_STREAMS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
-        token = tl.program_id(0).to(tl.int64)
-        channel = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        stream = tl.arange(0, BLOCK_S)
-        stream_ok = stream < N_STREAMS
-        channel_ok = channel < C
-        tile = token * N_STREAMS * C + stream[:, None] * C + channel[None, :]
-        tile_ok = stream_ok[:, None] & channel_ok[None, :]
-        mixed = tl.load(mixed_ptr + tile, mask=tile_ok, other=0.0)
-        h_post = tl.load(h_post_ptr + token * N_STREAMS + stream, mask=stream_ok, other=0.0)
-        y = tl.load(y_ptr + token * C + channel, mask=channel_ok, other=0.0).to(tl.float32)
-        out = mixed + h_post[:, None] * y[None, :]
-        tl.store(out_ptr + tile, out.to(out_ptr.dtype.element_ty), mask=tile_ok)
-
-    @triton.jit
-    def stream_post_backward_kernel(grad_ptr, h_post_ptr, y_ptr, grad_h_post_ptr, grad_y_ptr, C,
-                                    N_STREAMS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
-        token = tl.program_id(0).to(tl.int64)
-        stream = tl.arange(0, BLOCK_S)
-        stream_ok = stream < N_STREAMS
-        h_post = tl.load(h_post_ptr + token * N_STREAMS + stream, mask=stream_ok, other=0.0)
-        grad_h_post = tl.zeros((BLOCK_S,), dtype=tl.float32)
-        for start in range(0, C, BLOCK_C):
-            channel = start + tl.arange(0, BLOCK_C)
-            channel_ok = channel < C
-            tile = token * N_STREAMS * C + stream[:, None] * C + channel[None, :]
-            tile_ok = stream_ok[:, None] & channel_ok[None, :]
-            grad = tl.load(grad_ptr + tile, mask=tile_ok, other=0.0).to(tl.float32)
-            y = tl.load(y_ptr + token * C + channel, mask=channel_ok, other=0.0).to(tl.float32)
-            grad_h_post += tl.sum(grad * y[None, :], axis=1)
-            grad_y = tl.sum(h_post[:, None] * grad, axis=0)
-            tl.store(grad_y_ptr + token * C + channel, grad_y.to(grad_y_ptr.dtype.element_ty), mask=channel_ok)
-        tl.store(grad_h_post_ptr + token * N_STREAMS + stream, grad_h_post, mask=stream_ok)
-
-    return types.SimpleNamespace(**{name: kernel for name, kernel in locals().items() if name.endswith("_kernel")})
+def _variant_constexprs(variant, weight, bf16_operands, sinkhorn_iters, device):
+    res = 0 if variant == "hc" else weight.shape[0] - 2 * STREAMS
+    return dict(VARIANT=variant, RES=res, ITERS=sinkhorn_iters, OPERANDS=_dot_operands(bf16_operands, device),
+                BLOCK_T=BLOCK_TOKENS, BLOCK_C=BLOCK_CHANNELS, RES_BLOCK=max(16, _power_of_two_at_least(res)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -319,187 +186,149 @@ def _kernels():
 # autograd (torch.compile) can trace the backward with fake tensors.
 
 
-def _zeros_if_none(grad, like):
-    return torch.zeros_like(like) if grad is None else grad
+def _pre_outputs(x, weight, variant):
+    """Empty (u, h_pre, h_post, h_res, z, rms_inv, next_grad) for connection_pre."""
+    tokens, n, c = x.shape
+    f32 = dict(dtype=torch.float32)
+    if variant == "hc":
+        z, rms_inv = x.new_empty((tokens, n, n + 2), **f32), x.new_empty((tokens, n), **f32)
+    else:
+        z, rms_inv = x.new_empty((tokens, weight.shape[0]), **f32), x.new_empty((tokens,), **f32)
+    next_grad = x.new_zeros(()).expand(tokens, n, c)  # no storage: a gradient's way in (module docstring)
+    return (x.new_empty((tokens, c), **f32), x.new_empty((tokens, n), **f32), x.new_empty((tokens, n), **f32),
+            x.new_empty((tokens, n, n), **f32), z, rms_inv, next_grad)
 
 
-@torch.library.custom_op("hcfused::rms_projection", mutates_args=())
-def rms_projection(rows: torch.Tensor, weight: torch.Tensor,
-                   bf16_operands: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(p, z, rms_inv) for rows (M, D) float32 or bfloat16 and weight (N, D) float32, all fp32:
-    z = rows @ weight.T (operands rounded to bf16 when bf16_operands, fp32 accumulation),
-    rms_inv = rsqrt(mean(rows^2) + RMS_EPS) and p = z * rms_inv. z and rms_inv are what the
-    backward needs, so they are outputs."""
-    rows, weight = rows.contiguous(), weight.contiguous()
-    (m, d), n = rows.shape, weight.shape[0]
-    p = rows.new_empty((m, n), dtype=torch.float32)
-    z = torch.empty_like(p)
-    rms_inv = rows.new_empty((m,), dtype=torch.float32)
-    if m > 0:
-        _launch("rms_projection_forward_kernel", (_cdiv(m, PROJECTION_BLOCK_ROWS),), rows.device,
-                rows, weight, p, z, rms_inv, m, n, d, RMS_EPS, OPERANDS=_dot_operands(bf16_operands, rows.device),
-                BLOCK_M=PROJECTION_BLOCK_ROWS, BLOCK_N=_logits_block(n), BLOCK_D=PROJECTION_BLOCK_DEPTH)
-    return p, z, rms_inv
+@torch.library.custom_op("hcfused::connection_pre", mutates_args=())
+def connection_pre(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor,
+                   perm_matrices: torch.Tensor, variant: str, sinkhorn_iters: int, bf16_operands: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                              torch.Tensor]:
+    """For x (M, n, C) float32 or bfloat16 and the packed parameters (_packed_parameters), fp32:
+    u (M, C), h_pre (M, n), h_post (M, n), h_res (M, n, n), z and rms_inv (the projection before
+    the RMS factor and the factor, kept for the backward), and next_grad, a zero-storage tensor of
+    x's shape whose gradient is the gradient of connection_post's output."""
+    x = x.contiguous()
+    outputs = _pre_outputs(x, weight, variant)
+    u, h_pre, h_post, h_res, z, rms_inv, _ = outputs
+    tokens = x.shape[0]
+    if tokens > 0:
+        perms = perm_matrices.contiguous() if perm_matrices.numel() else weight  # read only by mhclite
+        _launch("pre_kernel", (_cdiv(tokens, BLOCK_TOKENS),), x.device, x, weight.contiguous(), scale, bias, perms,
+                u, h_pre, h_post, h_res, z, rms_inv, tokens, x.shape[2], RMS_EPS,
+                **_variant_constexprs(variant, weight, bf16_operands, sinkhorn_iters, x.device))
+    return outputs
 
 
-@rms_projection.register_fake
-def _(rows, weight, bf16_operands):
-    p = rows.new_empty((rows.shape[0], weight.shape[0]), dtype=torch.float32)
-    return p, torch.empty_like(p), rows.new_empty((rows.shape[0],), dtype=torch.float32)
+@connection_pre.register_fake
+def _(x, weight, scale, bias, perm_matrices, variant, sinkhorn_iters, bf16_operands):
+    return _pre_outputs(x, weight, variant)
 
 
-@torch.library.custom_op("hcfused::rms_projection_rows_backward", mutates_args=())
-def rms_projection_rows_backward(rows: torch.Tensor, weight: torch.Tensor, grad_z: torch.Tensor,
-                                 row_coef: torch.Tensor, bf16_operands: bool) -> torch.Tensor:
-    """grad_z @ weight + rows * row_coef[:, None] in rows' dtype (the GEMM as in rms_projection)."""
-    rows, weight, grad_z, row_coef = (t.contiguous() for t in (rows, weight, grad_z, row_coef))
-    (m, d), n = rows.shape, weight.shape[0]
-    grad_rows = torch.empty_like(rows)
-    if m > 0:
-        _launch("rms_projection_backward_kernel", (_cdiv(m, PROJECTION_BLOCK_ROWS),), rows.device,
-                rows, weight, grad_z, row_coef, grad_rows, m, n, d, OPERANDS=_dot_operands(bf16_operands, rows.device),
-                BLOCK_M=PROJECTION_BLOCK_ROWS, BLOCK_N=_logits_block(n), BLOCK_D=PROJECTION_BLOCK_DEPTH)
-    return grad_rows
-
-
-@rms_projection_rows_backward.register_fake
-def _(rows, weight, grad_z, row_coef, bf16_operands):
-    return torch.empty_like(rows, memory_format=torch.contiguous_format)
-
-
-def _rms_projection_setup_context(ctx, inputs, output):
-    rows, weight, bf16_operands = inputs
-    _, z, rms_inv = output
-    ctx.bf16_operands = bf16_operands
-    ctx.save_for_backward(rows, weight, z, rms_inv)
-
-
-def _rms_projection_backward(ctx, grad_p, grad_z, grad_rms_inv):
-    """With p = z r and dr/drows = -r^3 rows / D, the total gradients reaching z and r are
-        g_z = grad_p r + grad_z,   g_r = sum(grad_p z) + grad_rms_inv,
-    so grad_rows = g_z @ weight - rows r^3 / D g_r and grad_weight = g_z.T @ rows."""
-    rows, weight, z, rms_inv = ctx.saved_tensors
-    grad_p = _zeros_if_none(grad_p, z)
-    total_grad_z = grad_p * rms_inv[:, None] + _zeros_if_none(grad_z, z)
-    total_grad_r = (grad_p * z).sum(-1) + _zeros_if_none(grad_rms_inv, rms_inv)
-    grad_rows = grad_weight = None
-    if ctx.needs_input_grad[0]:
-        row_coef = total_grad_r * rms_inv.pow(3) / -rows.shape[-1]
-        grad_rows = rms_projection_rows_backward(rows, weight, total_grad_z, row_coef, ctx.bf16_operands)
-    if ctx.needs_input_grad[1]:
-        operand_dtype = torch.bfloat16 if ctx.bf16_operands else torch.float32
-        with torch.autocast(rows.device.type, enabled=False):
-            grad_weight = (total_grad_z.t().to(operand_dtype) @ rows.to(operand_dtype)).to(weight.dtype)
-    return grad_rows, grad_weight, None
-
-
-rms_projection.register_autograd(_rms_projection_backward, setup_context=_rms_projection_setup_context)
-
-
-@torch.library.custom_op("hcfused::stream_mix", mutates_args=())
-def stream_mix(x: torch.Tensor, h_pre: torch.Tensor, h_res: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(u, mixed) for x (M, n, C) float32 or bfloat16, h_pre (M, n) and h_res (M, n, n) fp32:
-    u = sum_j h_pre[j] x[j] (M, C) and mixed[i] = sum_j h_res[i, j] x[j] (M, n, C), fp32."""
-    x, h_pre, h_res = x.contiguous(), h_pre.contiguous(), h_res.contiguous()
-    m, n, c = x.shape
-    u = x.new_empty((m, c), dtype=torch.float32)
-    mixed = x.new_empty((m, n, c), dtype=torch.float32)
-    if m > 0 and c > 0:
-        block_c = _mix_channels_block(n)
-        _launch("stream_mix_forward_kernel", (m, _cdiv(c, block_c)), x.device,
-                x, h_pre, h_res, u, mixed, c, N_STREAMS=n, BLOCK_S=_streams_block(n), BLOCK_C=block_c)
-    return u, mixed
-
-
-@stream_mix.register_fake
-def _(x, h_pre, h_res):
-    m, n, c = x.shape
-    return x.new_empty((m, c), dtype=torch.float32), x.new_empty((m, n, c), dtype=torch.float32)
-
-
-@torch.library.custom_op("hcfused::stream_mix_backward", mutates_args=())
-def stream_mix_backward(x: torch.Tensor, h_pre: torch.Tensor, h_res: torch.Tensor, grad_u: torch.Tensor,
-                        grad_mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(grad_x in x's dtype, grad_h_pre, grad_h_res) of stream_mix, one pass over x and the grads."""
-    x, h_pre, h_res, grad_u, grad_mixed = (t.contiguous() for t in (x, h_pre, h_res, grad_u, grad_mixed))
-    m, n, c = x.shape
+@torch.library.custom_op("hcfused::connection_pre_backward", mutates_args=())
+def connection_pre_backward(x: torch.Tensor, grad: torch.Tensor, grad_u: torch.Tensor, grad_h_post: torch.Tensor,
+                            weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor,
+                            perm_matrices: torch.Tensor, z: torch.Tensor, rms_inv: torch.Tensor, variant: str,
+                            sinkhorn_iters: int, bf16_operands: bool
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad x in x's dtype, grad weight, grad scale, grad bias) of the connection, from the
+    gradient g of its output (grad), grad u and grad h_post (connection_post_backward)."""
+    x, grad, grad_u, grad_h_post = (t.contiguous() for t in (x, grad, grad_u, grad_h_post))
+    tokens = x.shape[0]
+    programs = min(WEIGHT_GRAD_PROGRAMS, _cdiv(tokens, BLOCK_TOKENS))
     grad_x = torch.empty_like(x)
-    grad_h_pre = torch.empty_like(h_pre)
-    grad_h_res = torch.empty_like(h_res)
-    if m > 0:
-        _launch("stream_mix_backward_kernel", (m,), x.device, x, h_pre, h_res, grad_u, grad_mixed,
-                grad_x, grad_h_pre, grad_h_res, c, N_STREAMS=n, BLOCK_S=_streams_block(n),
-                BLOCK_C=_mix_channels_block(n))
-    return grad_x, grad_h_pre, grad_h_res
+    grad_weight = weight.new_zeros((programs, *weight.shape))
+    grad_scale = scale.new_zeros((programs, scale.numel()))
+    grad_bias = bias.new_zeros((programs, bias.numel()))
+    if tokens > 0:
+        perms = perm_matrices.contiguous() if perm_matrices.numel() else weight
+        _launch("pre_backward_kernel", (programs,), x.device, x, grad, grad_u, grad_h_post, weight.contiguous(),
+                scale, bias, perms, z, rms_inv, grad_x, grad_weight, grad_scale, grad_bias, tokens, x.shape[2],
+                **_variant_constexprs(variant, weight, bf16_operands, sinkhorn_iters, x.device))
+    return grad_x, grad_weight.sum(0), grad_scale.sum(0).view(scale.shape), grad_bias.sum(0).view(bias.shape)
 
 
-@stream_mix_backward.register_fake
-def _(x, h_pre, h_res, grad_u, grad_mixed):
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (x, h_pre, h_res))
+@connection_pre_backward.register_fake
+def _(x, grad, grad_u, grad_h_post, weight, scale, bias, perm_matrices, z, rms_inv, variant, sinkhorn_iters,
+      bf16_operands):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight),
+            torch.empty_like(scale), torch.empty_like(bias))
 
 
-def _stream_mix_setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
+def _connection_pre_setup_context(ctx, inputs, output):
+    x, weight, scale, bias, perm_matrices, variant, sinkhorn_iters, bf16_operands = inputs
+    _, h_pre, _, h_res, z, rms_inv, _ = output
+    ctx.variant, ctx.sinkhorn_iters, ctx.bf16_operands = variant, sinkhorn_iters, bf16_operands
+    ctx.save_for_backward(x, weight, scale, bias, perm_matrices, z, rms_inv)
+    # h_res reaches the loss only through connection_post, whose backward leaves its gradient
+    # to connection_pre's backward (from next_grad's); h_pre only through u.
+    ctx.mark_non_differentiable(h_pre, h_res, z, rms_inv)
+    ctx.set_materialize_grads(False)
 
 
-def _stream_mix_backward(ctx, grad_u, grad_mixed):
-    x, h_pre, h_res = ctx.saved_tensors
-    grad_u = _zeros_if_none(grad_u, x[:, 0].float())
-    grad_mixed = _zeros_if_none(grad_mixed, x.float())
-    return stream_mix_backward(x, h_pre, h_res, grad_u, grad_mixed)
+def _connection_pre_backward(ctx, grad_u, grad_h_pre, grad_h_post, grad_h_res, grad_z, grad_rms_inv, grad_next):
+    x, weight, scale, bias, perm_matrices, z, rms_inv = ctx.saved_tensors
+    tokens, n, c = x.shape
+    grad_next = torch.zeros_like(x) if grad_next is None else grad_next
+    grad_u = x.new_zeros((tokens, c), dtype=torch.float32) if grad_u is None else grad_u
+    grad_h_post = x.new_zeros((tokens, n), dtype=torch.float32) if grad_h_post is None else grad_h_post
+    grads = connection_pre_backward(x, grad_next, grad_u, grad_h_post, weight, scale, bias, perm_matrices, z,
+                                    rms_inv, ctx.variant, ctx.sinkhorn_iters, ctx.bf16_operands)
+    return *grads, None, None, None, None
 
 
-stream_mix.register_autograd(_stream_mix_backward, setup_context=_stream_mix_setup_context)
+connection_pre.register_autograd(_connection_pre_backward, setup_context=_connection_pre_setup_context)
 
 
-@torch.library.custom_op("hcfused::stream_post", mutates_args=())
-def stream_post(mixed: torch.Tensor, h_post: torch.Tensor, y: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """mixed[i] + h_post[i] * y in fp32, stored in out_dtype: mixed (M, n, C) fp32, h_post (M, n)
-    fp32, y (M, C) in any float dtype."""
-    mixed, h_post, y = mixed.contiguous(), h_post.contiguous(), y.contiguous()
-    m, n, c = mixed.shape
-    out = mixed.new_empty((m, n, c), dtype=out_dtype)
-    if m > 0 and c > 0:
-        _launch("stream_post_forward_kernel", (m, _cdiv(c, BLOCK_CHANNELS)), mixed.device,
-                mixed, h_post, y, out, c, N_STREAMS=n, BLOCK_S=_streams_block(n), BLOCK_C=BLOCK_CHANNELS)
+@torch.library.custom_op("hcfused::connection_post", mutates_args=())
+def connection_post(x: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor, y: torch.Tensor,
+                    next_grad: torch.Tensor) -> torch.Tensor:
+    """sum_j h_res[i, j] x[j] + h_post[i] y in fp32, stored in x's dtype: x (M, n, C), h_post (M, n)
+    and h_res (M, n, n) fp32, y (M, C) in any float dtype; next_grad from connection_pre."""
+    x, h_post, h_res, y = x.contiguous(), h_post.contiguous(), h_res.contiguous(), y.contiguous()
+    tokens, n, c = x.shape
+    out = torch.empty_like(x)
+    if tokens > 0 and c > 0:
+        _launch("post_kernel", (_cdiv(tokens, BLOCK_TOKENS), _cdiv(c, BLOCK_CHANNELS)), x.device,
+                x, h_post, h_res, y, out, tokens, c, BLOCK_T=BLOCK_TOKENS, BLOCK_C=BLOCK_CHANNELS)
     return out
 
 
-@stream_post.register_fake
-def _(mixed, h_post, y, out_dtype):
-    return mixed.new_empty(mixed.shape, dtype=out_dtype)
+@connection_post.register_fake
+def _(x, h_post, h_res, y, next_grad):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("hcfused::stream_post_backward", mutates_args=())
-def stream_post_backward(grad: torch.Tensor, h_post: torch.Tensor,
-                         y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(grad_h_post, grad_y in y's dtype) of stream_post, one pass over grad and y."""
+@torch.library.custom_op("hcfused::connection_post_backward", mutates_args=())
+def connection_post_backward(grad: torch.Tensor, h_post: torch.Tensor,
+                             y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad y in y's dtype, grad h_post) of connection_post, one pass over grad and y."""
     grad, h_post, y = grad.contiguous(), h_post.contiguous(), y.contiguous()
-    m, n, c = grad.shape
-    grad_h_post = torch.empty_like(h_post)
+    tokens, n, c = grad.shape
     grad_y = torch.empty_like(y)
-    if m > 0:
-        _launch("stream_post_backward_kernel", (m,), grad.device, grad, h_post, y, grad_h_post, grad_y, c,
-                N_STREAMS=n, BLOCK_S=_streams_block(n), BLOCK_C=BLOCK_CHANNELS)
-    return grad_h_post, grad_y
+    grad_h_post = torch.empty_like(h_post)
+    if tokens > 0:
+        _launch("post_backward_kernel", (_cdiv(tokens, BLOCK_TOKENS),), grad.device, grad, h_post, y, grad_y,
+                grad_h_post, tokens, c, BLOCK_T=BLOCK_TOKENS, BLOCK_C=BLOCK_CHANNELS)
+    return grad_y, grad_h_post
 
 
-@stream_post_backward.register_fake
+@connection_post_backward.register_fake
 def _(grad, h_post, y):
-    return (torch.empty_like(h_post, memory_format=torch.contiguous_format),
-            torch.empty_like(y, memory_format=torch.contiguous_format))
+    return (torch.empty_like(y, memory_format=torch.contiguous_format),
+            torch.empty_like(h_post, memory_format=torch.contiguous_format))
 
 
-def _stream_post_setup_context(ctx, inputs, output):
-    _, h_post, y, _ = inputs
+def _connection_post_setup_context(ctx, inputs, output):
+    _, h_post, _, y, _ = inputs
     ctx.save_for_backward(h_post, y)
 
 
-def _stream_post_backward(ctx, grad):
+def _connection_post_backward(ctx, grad):
     h_post, y = ctx.saved_tensors
-    grad_h_post, grad_y = stream_post_backward(grad, h_post, y)
-    # grad_mixed is the incoming grad itself: no copy for fp32 streams, a widening for bf16 ones.
-    return grad.float(), grad_h_post, grad_y, None
+    grad_y, grad_h_post = connection_post_backward(grad, h_post, y)
+    # x's and h_res's gradients are made by connection_pre's backward, which gets grad as next_grad's.
+    return None, grad_h_post, None, grad_y, grad
 
 
-stream_post.register_autograd(_stream_post_backward, setup_context=_stream_post_setup_context)
+connection_post.register_autograd(_connection_post_backward, setup_context=_connection_post_setup_context)

@@ -22,10 +22,12 @@ if DEVICE == "cpu":
 triton = pytest.importorskip("triton")
 
 import fused_connections  # noqa: E402
-from fused_connections import (rms_projection, rms_projection_rows_backward, stream_mix,  # noqa: E402
-                               stream_mix_backward, stream_post, stream_post_backward)
+from fused_connections import (connection_post, connection_post_backward, connection_pre,  # noqa: E402
+                               connection_pre_backward)
 from model import GPT, GPTConfig  # noqa: E402
-from residuals import RESIDUALS, RMS_EPS, Residual, capture_connections  # noqa: E402
+from residuals import RESIDUALS, RMS_EPS, Residual, capture_connections, sinkhorn  # noqa: E402
+
+N = fused_connections.STREAMS
 
 
 @pytest.fixture(autouse=True)
@@ -35,9 +37,10 @@ def interpret_on_cpu(monkeypatch):
 
 @pytest.fixture
 def small_blocks(monkeypatch):
-    """16-wide tiles, so that the test sizes need several programs, loop trips and masked tails."""
-    for name in ("PROJECTION_BLOCK_ROWS", "PROJECTION_BLOCK_DEPTH", "BLOCK_CHANNELS"):
-        monkeypatch.setattr(fused_connections, name, 16)
+    """16-wide channel tiles and two backward programs, so that the test sizes need several programs,
+    loop trips, a program with two token blocks and masked tails (tokens and channels)."""
+    monkeypatch.setattr(fused_connections, "BLOCK_CHANNELS", 16)
+    monkeypatch.setattr(fused_connections, "WEIGHT_GRAD_PROGRAMS", 2)
 
 
 def generator(seed):
@@ -56,8 +59,16 @@ def grads_of(outputs, inputs, cotangents):
     return torch.autograd.grad(outputs, inputs, cotangents)
 
 
+def randomise(module, scale=0.3, seed=0):
+    """Every parameter moved off its init, so that every coefficient path matters."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=generator(seed)).to(p.device))
+    return module
+
+
 def test_kernels_are_interpreted_on_cpu_and_compiled_on_cuda():
-    kernel = fused_connections._kernels().stream_mix_forward_kernel
+    kernel = fused_connections.kernel("post_kernel")
     if DEVICE == "cpu":
         from triton.runtime.interpreter import InterpretedFunction
         assert isinstance(kernel, InterpretedFunction), "triton was imported before TRITON_INTERPRET=1 was set"
@@ -66,157 +77,150 @@ def test_kernels_are_interpreted_on_cpu_and_compiled_on_cuda():
 
 
 # ----------------------------------------------------------------------------------------------
-# Each op alone
+# Each op alone, against torch formulas in float64
+
+VARIANTS = ("hc", "mhc", "mhclite")
 
 
-def reference_rms_projection(rows, weight, bf16_operands):
-    """(p, z, rms_inv) in float64, the GEMM operands rounded to bf16 when bf16_operands."""
+def packed_parameters(residual, width, seed=0):
+    """The packed fp32 (variant, weight, scale, bias, perm_matrices, iters) of a randomised module."""
+    module = randomise(RESIDUALS[residual](width, N, 1), seed=seed).to(DEVICE)
+    return tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in fused_connections._packed_parameters(module))
+
+
+def reference_pre(x, weight, scale, bias, perm_matrices, variant, iters, bf16_operands):
+    """(u, h_pre, h_post, h_res, z, rms_inv) of connection_pre in float64, from SPEC's formulas;
+    the GEMM operands rounded to bf16 when bf16_operands."""
     operand = round_bf16 if bf16_operands else (lambda t: t)
-    z = operand(rows).double() @ operand(weight).double().t()
-    rms_inv = torch.rsqrt(rows.double().pow(2).mean(-1) + RMS_EPS)
-    return z * rms_inv[:, None], z, rms_inv
-
-
-@pytest.mark.parametrize("blocks", ["default", "small"])
-@pytest.mark.parametrize("bf16_operands", [False, True])
-@pytest.mark.parametrize("rows_dtype", [torch.float32, torch.bfloat16])
-def test_rms_projection_matches_torch(rows_dtype, bf16_operands, blocks, request):
-    m, d, n = (13, 40, 10) if blocks == "default" else (37, 56, 20)
-    if blocks == "small":
-        request.getfixturevalue("small_blocks")
-    rows = randn(m, d, seed=0, dtype=rows_dtype).requires_grad_()
-    weight = randn(n, d, seed=1, scale=0.2).requires_grad_()
-    cotangents = (randn(m, n, seed=2), randn(m, n, seed=3), randn(m, seed=4))
-
-    outputs = rms_projection(rows, weight, bf16_operands)
-    grad_rows, grad_weight = grads_of(outputs, (rows, weight), cotangents)
-
-    expected = reference_rms_projection(rows.detach(), weight.detach(), bf16_operands)
-    for got, want in zip(outputs, expected):
-        assert got.dtype == torch.float32
-        torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
-    assert grad_rows.dtype == rows_dtype
-    if bf16_operands:
-        # The backward rounds the GEMM operands (grad_z, weight, rows) to bf16 as well.
-        p, z, rms_inv = expected
-        grad_p, grad_z, grad_rms_inv = (c.double() for c in cotangents)
-        total_grad_z = round_bf16(grad_p * rms_inv[:, None] + grad_z)
-        total_grad_r = (grad_p * z).sum(-1) + grad_rms_inv
-        rows64, weight64 = rows.detach().double(), weight.detach().double()
-        want_rows = total_grad_z @ round_bf16(weight64) - rows64 * (rms_inv.pow(3) / d * total_grad_r)[:, None]
-        want_weight = total_grad_z.t() @ round_bf16(rows64)
+    x, weight, scale, bias, perm_matrices = (t.double() for t in (x, weight, scale, bias, perm_matrices))
+    tokens, n, _ = x.shape
+    rows = x if variant == "hc" else x.flatten(1)
+    z = operand(rows) @ operand(weight).t()
+    rms_inv = torch.rsqrt(rows.pow(2).mean(-1) + RMS_EPS)
+    p = z * rms_inv[..., None]
+    if variant == "hc":
+        a = bias + scale * torch.tanh(p)
+        h_pre, h_post, h_res = a[..., 0], a[..., n + 1], a[..., 1:n + 1].transpose(-1, -2)
     else:
-        rows64 = rows.detach().double().requires_grad_()
-        weight64 = weight.detach().double().requires_grad_()
-        want_rows, want_weight = grads_of(reference_rms_projection(rows64, weight64, False), (rows64, weight64),
-                                          tuple(c.double() for c in cotangents))
-    fp32_tol, bf16_tol = dict(rtol=1e-5, atol=1e-5), dict(rtol=1e-2, atol=1e-2)
-    torch.testing.assert_close(grad_rows.double(), want_rows, **(fp32_tol if rows_dtype == torch.float32 else bf16_tol))
-    # grad_weight with bf16 operands is a torch bf16 GEMM, whose output is bf16 (as in residuals.py).
-    torch.testing.assert_close(grad_weight.double(), want_weight, **(bf16_tol if bf16_operands else fp32_tol))
+        logits = scale * p + bias
+        h_pre, h_post = torch.sigmoid(logits[:, :n]), 2 * torch.sigmoid(logits[:, n:2 * n])
+        res = logits[:, 2 * n:]
+        if variant == "mhc":
+            h_res = sinkhorn(res.view(tokens, n, n), iters)
+        else:
+            h_res = (torch.softmax(res, -1)[..., None] * perm_matrices).sum(-2).view(tokens, n, n)
+    u = torch.einsum("mj,mjc->mc", h_pre, x)
+    return u, h_pre, h_post, h_res, z, rms_inv
 
 
+@pytest.mark.parametrize("bf16_operands", [False, True])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8])
-def test_stream_mix_matches_torch(n, x_dtype, small_blocks):
-    m, c = 7, 40
-    x = randn(m, n, c, seed=0, dtype=x_dtype).requires_grad_()
-    h_pre = randn(m, n, seed=1).requires_grad_()
-    h_res = randn(m, n, n, seed=2).requires_grad_()
-    cotangents = (randn(m, c, seed=3), randn(m, n, c, seed=4))
+@pytest.mark.parametrize("residual", VARIANTS)
+def test_connection_pre_matches_torch(residual, x_dtype, bf16_operands, small_blocks):
+    tokens, width = 21, 40
+    variant, weight, scale, bias, perms, iters = packed_parameters(residual, width)
+    x = randn(tokens, N, width, seed=1, dtype=x_dtype)
+    outputs = connection_pre(x, weight, scale, bias, perms, variant, iters, bf16_operands)
+    expected = reference_pre(x, weight, scale, bias, perms, variant, iters, bf16_operands)
+    for name, got, want in zip(("u", "h_pre", "h_post", "h_res", "z", "rms_inv"), outputs, expected):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    next_grad = outputs[-1]
+    assert next_grad.shape == x.shape and next_grad.dtype == x_dtype and next_grad.stride() == (0, 0, 0)
 
-    u, mixed = stream_mix(x, h_pre, h_res)
-    grads = grads_of((u, mixed), (x, h_pre, h_res), cotangents)
 
-    inputs64 = [t.detach().double().requires_grad_() for t in (x, h_pre, h_res)]
-    x64, h_pre64, h_res64 = inputs64
-    u64 = torch.einsum("mj,mjc->mc", h_pre64, x64)
-    mixed64 = torch.einsum("mij,mjc->mic", h_res64, x64)
-    expected_grads = grads_of((u64, mixed64), inputs64, tuple(c.double() for c in cotangents))
+@pytest.mark.parametrize("bf16_operands", [False, True])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("residual", VARIANTS)
+def test_connection_pre_backward_matches_torch(residual, x_dtype, bf16_operands, small_blocks):
+    """Against float64 autograd of sum(grad_u u) + sum(grad_h_post h_post) + sum(g (h_res x)): the
+    gradient that reaches x and the parameters through connection_pre and connection_post's mixing."""
+    tokens, width = 37, 40
+    variant, weight, scale, bias, perms, iters = packed_parameters(residual, width, seed=3)
+    x = randn(tokens, N, width, seed=1, dtype=x_dtype)
+    grad, grad_u, grad_h_post = randn(tokens, N, width, seed=2, dtype=x_dtype), randn(tokens, width, seed=4), \
+        randn(tokens, N, seed=5)
+    _, _, _, _, z, rms_inv, _ = connection_pre(x, weight, scale, bias, perms, variant, iters, bf16_operands)
+    got = connection_pre_backward(x, grad, grad_u, grad_h_post, weight, scale, bias, perms, z, rms_inv, variant,
+                                  iters, bf16_operands)
 
-    assert u.dtype == mixed.dtype == torch.float32 and grads[0].dtype == x_dtype
-    torch.testing.assert_close(u.double(), u64, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(mixed.double(), mixed64, rtol=1e-5, atol=1e-5)
-    x_tol = dict(rtol=1e-5, atol=1e-5) if x_dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
-    torch.testing.assert_close(grads[0].double(), expected_grads[0], **x_tol)
-    for got, want in zip(grads[1:], expected_grads[1:]):
-        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    inputs64 = [t.detach().double().requires_grad_() for t in (x, weight, scale, bias)]
+    u, _, h_post, h_res, _, _ = reference_pre(*inputs64, perms, variant, iters, bf16_operands)
+    loss = ((grad_u.double() * u).sum() + (grad_h_post.double() * h_post).sum()
+            + (grad.double() * torch.einsum("mij,mjc->mic", h_res, inputs64[0])).sum())
+    expected = torch.autograd.grad(loss, inputs64)
+    assert got[0].dtype == x_dtype and all(g.dtype == torch.float32 for g in got[1:])
+    for name, g, want in zip(("x", "weight", "scale", "bias"), got, expected):
+        assert g.shape == want.shape
+        if bf16_operands or x_dtype == torch.bfloat16:
+            # The kernels round the GEMM operands of the backward (grad z, x, weight) and bf16 grad x.
+            assert_close_normwise(g, want, 2e-2, f"grad {name}")
+        else:
+            torch.testing.assert_close(g.double(), want, rtol=1e-4, atol=1e-5, msg=lambda m: f"grad {name}: {m}")
 
 
 @pytest.mark.parametrize("y_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n", [1, 3, 4])
-def test_stream_post_matches_torch(n, out_dtype, y_dtype, small_blocks):
-    m, c = 5, 24
-    mixed = randn(m, n, c, seed=0).requires_grad_()
-    h_post = randn(m, n, seed=1).requires_grad_()
-    y = randn(m, c, seed=2, dtype=y_dtype).requires_grad_()
-    cotangent = randn(m, n, c, seed=3, dtype=out_dtype)
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_connection_post_and_its_backward_match_torch(x_dtype, y_dtype, small_blocks):
+    tokens, width = 21, 40
+    x = randn(tokens, N, width, seed=0, dtype=x_dtype)
+    h_post, h_res = randn(tokens, N, seed=1).requires_grad_(), randn(tokens, N, N, seed=2)
+    y = randn(tokens, width, seed=3, dtype=y_dtype).requires_grad_()
+    next_grad = x.new_zeros(()).expand(x.shape).requires_grad_()
+    grad = randn(tokens, N, width, seed=4, dtype=x_dtype)
 
-    out = stream_post(mixed, h_post, y, out_dtype)
-    grads = grads_of(out, (mixed, h_post, y), cotangent)
+    out = connection_post(x, h_post, h_res, y, next_grad)
+    grad_h_post, grad_y, grad_next = grads_of(out, (h_post, y, next_grad), grad)
 
-    inputs64 = [t.detach().double().requires_grad_() for t in (mixed, h_post, y)]
-    out64 = inputs64[0] + inputs64[1][:, :, None] * inputs64[2][:, None, :]
-    expected_grads = grads_of(out64, inputs64, cotangent.double())
-
-    assert out.dtype == out_dtype and grads[0].dtype == torch.float32 and grads[2].dtype == y_dtype
+    x64, h_post64, y64 = x.double(), h_post.detach().double(), y.detach().double()
+    out64 = torch.einsum("mij,mjc->mic", h_res.double(), x64) + h_post64[..., None] * y64[:, None, :]
+    assert out.dtype == x_dtype and grad_y.dtype == y_dtype
     def tol(dtype):
-        return dict(rtol=1e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+        return dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=2e-2)
 
-    torch.testing.assert_close(out.double(), out64, **tol(out_dtype))
-    torch.testing.assert_close(grads[0].double(), expected_grads[0], rtol=0, atol=0)  # the cotangent, widened
-    torch.testing.assert_close(grads[1].double(), expected_grads[1], **tol(torch.float32))
-    torch.testing.assert_close(grads[2].double(), expected_grads[2], **tol(y_dtype))
+    torch.testing.assert_close(out.double(), out64, **tol(x_dtype))
+    torch.testing.assert_close(grad_h_post.double(), torch.einsum("mic,mc->mi", grad.double(), y64),
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad_y.double(), torch.einsum("mi,mic->mc", h_post64, grad.double()), **tol(y_dtype))
+    assert grad_next is grad  # handed on untouched, for connection_pre's backward
 
 
 def opcheck_samples():
-    """Every op with float32 and bfloat16 data; the forward ops' float32 inputs require grad."""
+    """Every op, each variant, with float32 and bfloat16 streams."""
     bf16 = torch.bfloat16
-    samples = {
-        "rms_projection-fp32": (rms_projection, randn(9, 40, seed=0), randn(10, 40, seed=1), False),
-        "rms_projection-bf16": (rms_projection, randn(9, 40, seed=0, dtype=bf16), randn(10, 40, seed=1), True),
-        "stream_mix-fp32": (stream_mix, randn(6, 3, 24, seed=0), randn(6, 3, seed=1), randn(6, 3, 3, seed=2)),
-        "stream_mix-bf16": (stream_mix, randn(6, 4, 24, seed=0, dtype=bf16), randn(6, 4, seed=1),
-                            randn(6, 4, 4, seed=2)),
-        "stream_post-fp32": (stream_post, randn(6, 4, 24, seed=0), randn(6, 4, seed=1), randn(6, 24, seed=2),
-                             torch.float32),
-        "stream_post-bf16": (stream_post, randn(6, 2, 24, seed=0), randn(6, 2, seed=1),
-                             randn(6, 24, seed=2, dtype=bf16), bf16),
-        "rms_projection_rows_backward-bf16": (rms_projection_rows_backward, randn(9, 40, seed=0, dtype=bf16),
-                                              randn(10, 40, seed=1), randn(9, 10, seed=2), randn(9, seed=3), True),
-        "stream_mix_backward-bf16": (stream_mix_backward, randn(6, 3, 24, seed=0, dtype=bf16), randn(6, 3, seed=1),
-                                     randn(6, 3, 3, seed=2), randn(6, 24, seed=3), randn(6, 3, 24, seed=4)),
-        "stream_post_backward-bf16": (stream_post_backward, randn(6, 4, 24, seed=0, dtype=bf16),
-                                      randn(6, 4, seed=1), randn(6, 24, seed=2)),
-    }
+    samples = {}
+    for residual in VARIANTS:
+        variant, weight, scale, bias, perms, iters = packed_parameters(residual, 16)
+        for x_dtype in (torch.float32, bf16):
+            x = randn(5, N, 16, seed=0, dtype=x_dtype)
+            samples[f"connection_pre-{residual}-{x_dtype}"] = (
+                connection_pre, x.requires_grad_(x_dtype == torch.float32), weight.clone().requires_grad_(),
+                scale.clone().requires_grad_(), bias.clone().requires_grad_(), perms, variant, iters,
+                x_dtype == bf16)
+        _, _, _, _, z, rms_inv, _ = connection_pre(x.detach(), weight, scale, bias, perms, variant, iters, True)
+        samples[f"connection_pre_backward-{residual}-bf16"] = (
+            connection_pre_backward, x.detach(), randn(5, N, 16, seed=1, dtype=bf16), randn(5, 16, seed=2),
+            randn(5, N, seed=3), weight, scale, bias, perms, z, rms_inv, variant, iters, True)
+    for x_dtype in (torch.float32, bf16):
+        samples[f"connection_post-{x_dtype}"] = (
+            connection_post, randn(5, N, 16, seed=0, dtype=x_dtype), randn(5, N, seed=1).requires_grad_(),
+            randn(5, N, N, seed=2), randn(5, 16, seed=3, dtype=bf16).requires_grad_(),
+            torch.zeros((), dtype=x_dtype).expand(5, N, 16).requires_grad_())
+        samples[f"connection_post_backward-{x_dtype}"] = (
+            connection_post_backward, randn(5, N, 16, seed=0, dtype=x_dtype), randn(5, N, seed=1),
+            randn(5, 16, seed=2, dtype=bf16))
     return [pytest.param(op, args, id=name) for name, (op, *args) in samples.items()]
-
-
-FORWARD_OPS = (rms_projection, stream_mix, stream_post)
 
 
 @pytest.mark.parametrize("op, args", opcheck_samples())
 def test_opcheck(op, args):
     """All of opcheck's default checks: schema, fake tensors, autograd registration and AOT
     dispatch with dynamic shapes (which runs the kernels and, for the forward ops, the backward)."""
-    args = tuple(args)
-    if op in FORWARD_OPS:
-        args = tuple(a.requires_grad_() if isinstance(a, torch.Tensor) and a.dtype == torch.float32 else a
-                     for a in args)
-    torch.library.opcheck(op, args)
+    torch.library.opcheck(op, tuple(args))
 
 
 # ----------------------------------------------------------------------------------------------
 # connection_forward against the modules of residuals.py
-
-
-def randomise(module, scale=0.3, seed=0):
-    """Every parameter moved off its init, so that every coefficient path matters."""
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=generator(seed)).to(p.device))
-    return module
 
 
 class Branch(torch.nn.Module):
@@ -251,15 +255,16 @@ def run_connection(forward, module, branch, x, cotangent, autocast):
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("n", [2, 4])
-@pytest.mark.parametrize("residual", ["hc", "mhc", "mhclite"])
-def test_connection_forward_matches_module(residual, n, mode):
+@pytest.mark.parametrize("residual", VARIANTS)
+def test_connection_forward_matches_module(residual, mode, small_blocks):
+    """Outputs and every gradient (x, the connection's parameters, the branch's), with an odd width,
+    several token blocks (one backward program with two), masked tails; randomised parameters."""
     stream_dtype, autocast = MODES[mode]
     width = 24
-    module = randomise(RESIDUALS[residual](width, n, 1)).to(DEVICE)
+    module = randomise(RESIDUALS[residual](width, N, 1)).to(DEVICE)
     branch = Branch(width).to(DEVICE)
-    x = randn(2, 3, n, width, seed=1, dtype=stream_dtype)
-    cotangent = randn(2, 3, n, width, seed=2, dtype=stream_dtype)
+    x = randn(2, 19, N, width, seed=1, dtype=stream_dtype)
+    cotangent = randn(2, 19, N, width, seed=2, dtype=stream_dtype)
 
     assert fused_connections.supported(module, x)
     out, grads = run_connection(fused_connections.connection_forward, module, branch, x, cotangent, autocast)
@@ -268,6 +273,8 @@ def test_connection_forward_matches_module(residual, n, mode):
 
     assert out.dtype == expected.dtype == stream_dtype
     assert grads.keys() == expected_grads.keys()
+    for name in grads:
+        assert grads[name].dtype == expected_grads[name].dtype, name
     if mode == "fp32":
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
         for name in grads:
@@ -276,9 +283,9 @@ def test_connection_forward_matches_module(residual, n, mode):
     else:
         # bf16 somewhere (streams, or the branch and the projection GEMM under autocast): both sides
         # round, at different points (the reference rounds the GEMM outputs to bf16, the kernels
-        # accumulate in fp32; a bf16 grad x here is the sum of two bf16 partial grads; the
-        # interpreter's bf16 stores truncate where a GPU rounds to nearest). Errors are measured
-        # against each tensor's largest entry, since parameter grads are sums with cancellation.
+        # accumulate in fp32; the interpreter's bf16 stores truncate where a GPU rounds to nearest).
+        # Errors are measured against each tensor's largest entry, since parameter grads are sums
+        # with cancellation.
         assert_close_normwise(out, expected, 3e-2, "output")
         for name in grads:
             assert_close_normwise(grads[name], expected_grads[name], 3e-2, f"grad {name}")
@@ -292,9 +299,9 @@ def assert_close_normwise(got, want, tol, name):
 
 @pytest.mark.parametrize("autocast", [False, True])
 def test_mhclite_fused_h_res_is_doubly_stochastic(autocast):
-    n, width, scale = 4, 16, 100.0
+    n, width, scale = N, 16, 100.0
     module = randomise(RESIDUALS["mhclite"](width, n, 0), scale=scale).to(DEVICE)
-    x = randn(2, 8, n, width, seed=1, scale=scale)
+    x = randn(2, 9, n, width, seed=1, scale=scale)
     with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast), capture_connections() as records:
         fused_connections.connection_forward(module, x, torch.tanh)
     h_res = records[0]["h_res"].reshape(-1, n, n).double()
@@ -305,7 +312,7 @@ def test_mhclite_fused_h_res_is_doubly_stochastic(autocast):
 def test_compiled_connection_matches_eager():
     """fullgraph: no graph break; every op one node of the graph."""
     torch._dynamo.reset()
-    module = randomise(RESIDUALS["mhclite"](16, 2, 1)).to(DEVICE)
+    module = randomise(RESIDUALS["mhclite"](16, N, 1)).to(DEVICE)
     branch = Branch(16).to(DEVICE)
     graphs = []
 
@@ -314,8 +321,8 @@ def test_compiled_connection_matches_eager():
         return torch._dynamo.lookup_backend("aot_eager")(graph_module, example_inputs)
 
     compiled = torch.compile(fused_connections.connection_forward, fullgraph=True, backend=backend)
-    x = randn(2, 3, 2, 16, seed=1)
-    cotangent = randn(2, 3, 2, 16, seed=2)
+    x = randn(2, 3, N, 16, seed=1)
+    cotangent = randn(2, 3, N, 16, seed=2)
     out, grads = run_connection(compiled, module, branch, x, cotangent, autocast=False)
     expected, expected_grads = run_connection(fused_connections.connection_forward, module, branch, x, cotangent,
                                               autocast=False)
@@ -323,12 +330,12 @@ def test_compiled_connection_matches_eager():
     for name in grads:
         torch.testing.assert_close(grads[name], expected_grads[name], rtol=1e-6, atol=1e-6)
     targets = [str(node.target) for node in graphs[0].graph.nodes if node.op == "call_function"]
-    for op in ("rms_projection", "stream_mix", "stream_post"):
+    for op in ("connection_pre", "connection_post"):
         assert sum(f"hcfused.{op}" in target for target in targets) == 1, targets
 
 
 def test_model_with_fused_connections_matches_the_reference_path():
-    config = dict(block_size=8, vocab_size=32, n_layer=1, n_head=2, n_embd=16, residual="mhc", n_streams=3)
+    config = dict(block_size=8, vocab_size=32, n_layer=1, n_head=2, n_embd=16, residual="mhc", n_streams=N)
     torch.manual_seed(0)
     models = [GPT(GPTConfig(**config, fused_connections=fused)).to(DEVICE) for fused in (True, False)]
     models[1].load_state_dict(models[0].state_dict())
@@ -350,31 +357,35 @@ def test_model_with_fused_connections_matches_the_reference_path():
 
 def test_supported_only_where_the_kernels_can_run(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    width, n = 8, 2
-    module = RESIDUALS["mhc"](width, n, 0)
-    x = torch.zeros(1, 3, n, width)
-    assert fused_connections.supported(module, x)
-    assert fused_connections.supported(RESIDUALS["hc"](width, n, 0), x.bfloat16())
-    assert not fused_connections.supported(Residual(width, 1, 0), x[:, :, :1])
-    assert not fused_connections.supported(module, x.half())
-    assert not fused_connections.supported(module, x.double())
-    assert not fused_connections.supported(module, x[..., :4])  # not this module's width
-    assert not fused_connections.supported(module, x.to("meta"))
+    width = 8
+    module = RESIDUALS["mhc"](width, N, 0)
+    x = torch.zeros(1, 3, N, width)
+    reason = fused_connections.unsupported_reason
+    assert reason(module, x) is None and fused_connections.supported(module, x)
+    assert fused_connections.supported(RESIDUALS["hc"](width, N, 0), x.bfloat16())
+    assert fused_connections.supported(RESIDUALS["mhclite"](width, N, 0, num_perms=10), x)
+    assert "n_streams = 4" in reason(RESIDUALS["mhclite"](width, 2, 0), x[:, :, :2])
+    assert "sinkhorn_iters" in reason(RESIDUALS["mhc"](width, N, 0, sinkhorn_iters=3), x)
+    assert "HC-family" in reason(Residual(width, 1, 0), x[:, :, :1])
+    assert "float32 or bfloat16" in reason(module, x.half())
+    assert "float32 or bfloat16" in reason(module, x.double())
+    assert "(B, T, n, C)" in reason(module, x[..., :4])  # not this module's width
+    assert "CUDA" in reason(module, x.to("meta"))
     monkeypatch.delenv("TRITON_INTERPRET")
     assert not fused_connections.supported(module, x)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(fused_connections, "INTERPRET_ON_CPU", False)  # model.py's CPU runs: residuals.py
-    assert not fused_connections.supported(module, x)
+    assert "CUDA" in reason(module, x)
     monkeypatch.setattr(fused_connections, "INTERPRET_ON_CPU", True)
     monkeypatch.setattr(fused_connections, "TRITON_AVAILABLE", False)
-    assert not fused_connections.supported(module, x)
+    assert reason(module, x) == "triton is not installed"
 
 
 def test_imports_and_declines_without_triton():
     code = ("import sys; sys.modules['triton'] = None\n"
             "import torch, fused_connections, residuals\n"
             "fused_connections.INTERPRET_ON_CPU = True\n"
-            "assert not fused_connections.supported(residuals.HyperConnection(8, 2, 0), torch.zeros(1, 1, 2, 8))\n")
+            "assert not fused_connections.supported(residuals.HyperConnection(8, 4, 0), torch.zeros(1, 1, 4, 8))\n")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     subprocess.run([sys.executable, "-c", code], cwd=root, check=True, timeout=120,
                    env={**os.environ, "TRITON_INTERPRET": "1"})

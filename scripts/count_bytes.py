@@ -1,0 +1,270 @@
+"""Bytes per token per connection of the fused path (fused_connections.py), counted on CPU.
+
+    python scripts/count_bytes.py [--json PATH] [--residuals hc,mhc,mhclite] [--stream_dtypes float32,bfloat16]
+
+Runs forward and backward of `connection_forward` at n = 4, C = 768 under bf16 autocast with a
+bf16 branch output (as the model runs), with every kernel in Triton's interpreter, and counts:
+  - per kernel launch (through fused_connections._launch), the bytes its loads and its stores
+    move, each address once per launch and direction (a read and a write of one address count both);
+  - every aten op that runs outside the kernels (the connection's own torch code, inside the custom
+    ops too), its inputs plus its outputs, leaving out views, metadata ops and allocations. The
+    branch is a stand-in whose own forward and backward are not counted.
+The per-token figure is the slope between two token counts, so weight-sized traffic (the projection
+weight read by every program, the grad-weight partials and their sum) does not count per token.
+Prints a markdown table; --json writes
+{residual: {stream_dtype: {"kernels": {name: bytes}, "torch": b, "forward": b, "backward": b, "total": b}}}.
+"""
+
+import argparse
+import collections
+import contextlib
+import json
+import os
+import sys
+
+# Triton reads TRITON_INTERPRET when it is imported, which fused_connections does at its first launch.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import fused_connections  # noqa: E402
+from residuals import RESIDUALS  # noqa: E402
+
+VARIANTS = ("hc", "mhc", "mhclite")
+STREAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+N_STREAMS, WIDTH = 4, 768
+TOKEN_COUNTS = (16, 32)  # one and two blocks of BLOCK_TOKENS tokens
+ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
+FILLS = {"new_zeros", "new_ones", "new_full", "zeros", "ones", "full", "zeros_like", "ones_like", "full_like"}
+
+
+def budget(stream_dtype, n=N_STREAMS, width=WIDTH):
+    """The floor of the issue: 7 nCs + 16 C bytes per token."""
+    return 7 * n * width * torch.finfo(stream_dtype).bits // 8 + 16 * width
+
+
+class KernelBytes:
+    """Counts the bytes of Triton interpreter loads and stores, per launch: `with counter.launch(name):`
+    around a launch adds that launch's unique read and written bytes to counter.bytes[name]."""
+
+    def __init__(self):
+        self.bytes = collections.Counter()
+        self._launch = None  # {"read": [(addresses, itemsize)], "write": [...]} of the launch running
+
+    def _record(self, direction, ptrs, mask):
+        if self._launch is None:
+            raise RuntimeError("a load or store outside a counted launch")
+        addresses = ptrs.data[np.broadcast_to(mask.data, ptrs.data.shape)]
+        self._launch[direction].append((addresses, ptrs.get_element_ty().primitive_bitwidth // 8))
+
+    @contextlib.contextmanager
+    def launch(self, name):
+        self._launch = {"read": [], "write": []}
+        try:
+            yield
+        finally:
+            launch, self._launch = self._launch, None
+        for accesses in launch.values():
+            by_size = collections.defaultdict(list)
+            for addresses, itemsize in accesses:
+                by_size[itemsize].append(addresses)
+            self.bytes[name] += sum(len(np.unique(np.concatenate(a))) * size for size, a in by_size.items())
+
+    @contextlib.contextmanager
+    def patched(self):
+        """Counting on: loads and stores of the interpreter (create_load and create_store go through
+        the masked ones), launches through fused_connections._launch; atomics refused."""
+        from triton.runtime.interpreter import InterpreterBuilder
+        counter = self
+        masked_load, masked_store = InterpreterBuilder.create_masked_load, InterpreterBuilder.create_masked_store
+        launch = fused_connections._launch
+
+        def create_masked_load(self, ptrs, mask, other, cache_policy, is_volatile):
+            counter._record("read", ptrs, mask)
+            return masked_load(self, ptrs, mask, other, cache_policy, is_volatile)
+
+        def create_masked_store(self, ptrs, value, mask, cache_policy):
+            counter._record("write", ptrs, mask)
+            return masked_store(self, ptrs, value, mask, cache_policy)
+
+        def refuse_atomic(self, *args, **kwargs):
+            raise RuntimeError("count_bytes does not count atomics")
+
+        def counted_launch(kernel_name, grid, device, *args, **constexprs):
+            # The interpreter's own torch ops (copying arguments to the host and back) are not the connection's.
+            with counter.launch(kernel_name), _disable_current_modes():
+                launch(kernel_name, grid, device, *args, **constexprs)
+
+        patches = {"create_masked_load": create_masked_load, "create_masked_store": create_masked_store,
+                   "create_atomic_rmw": refuse_atomic, "create_atomic_cas": refuse_atomic}
+        saved = {name: getattr(InterpreterBuilder, name) for name in patches}
+        try:
+            for name, fn in patches.items():
+                setattr(InterpreterBuilder, name, fn)
+            fused_connections._launch = counted_launch
+            yield self
+        finally:
+            for name, fn in saved.items():
+                setattr(InterpreterBuilder, name, fn)
+            fused_connections._launch = launch
+
+
+def tensor_bytes(t):
+    """Bytes a tensor covers: expanded (stride 0) dimensions count once."""
+    if t.numel() == 0:
+        return 0
+    elements = 1
+    for size, stride in zip(t.shape, t.stride()):
+        elements *= size if stride != 0 else 1
+    return elements * t.element_size()
+
+
+class TorchBytes(TorchDispatchMode):
+    """Adds up the input and output bytes of every aten op that runs (views, metadata ops and
+    allocations left out; fills count their output only). The python bodies of our custom ops run
+    under the mode, so their own torch ops count; their kernels are KernelBytes' business."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "hcfused":
+            from torch._library.custom_ops import OPDEFS
+            with self:
+                return OPDEFS[func._schema.name]._init_fn(*args, **kwargs)
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        if func.is_view or name in ALLOCATIONS or name in ("detach", "alias", "lift_fresh"):
+            return out
+        moved = out if name in FILLS else (args, kwargs, out)  # a fill reads nothing of its template
+        tensors = [t for t in torch.utils._pytree.tree_leaves(moved) if isinstance(t, torch.Tensor)]
+        op_bytes = sum(tensor_bytes(t) for t in tensors)
+        self.bytes += op_bytes
+        self.ops[name] += op_bytes
+        return out
+
+
+class StandInBranch(torch.autograd.Function):
+    """The branch: u -> bf16 0.5 u, its forward and backward not counted (no aten op reaches the mode)."""
+
+    @staticmethod
+    def forward(ctx, u):
+        with _disable_current_modes():
+            return (0.5 * u).to(torch.bfloat16)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        with _disable_current_modes():
+            return 0.5 * grad_y.float()
+
+
+def count_connection(residual, stream_dtype, tokens, n=N_STREAMS, width=WIDTH):
+    """{"forward"/"backward": {"kernels": Counter, "torch": bytes}} of one forward and backward."""
+    generator = torch.Generator().manual_seed(0)
+    module = RESIDUALS[residual](width, n, 1)
+    x = torch.randn(tokens, 1, n, width, generator=generator).to(stream_dtype).requires_grad_()
+    grad = torch.randn(tokens, 1, n, width, generator=generator).to(stream_dtype)
+    phases = {}
+    kernels = KernelBytes()
+    with kernels.patched():
+        for phase in ("forward", "backward"):
+            kernels.bytes = collections.Counter()
+            with TorchBytes() as torch_bytes:
+                if phase == "forward":
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        out = fused_connections.connection_forward(module, x, StandInBranch.apply)
+                else:
+                    torch.autograd.grad(out, [x, *module.parameters()], grad)
+            phases[phase] = {"kernels": kernels.bytes, "torch": torch_bytes.bytes}
+    return phases
+
+
+@contextlib.contextmanager
+def counting_setup():
+    """The interpreter for CPU tensors; one backward program, so that the partials of grad W have the
+    same size at both token counts (how many there are does not change bytes per token); wide
+    channel blocks, for fewer interpreted loop trips (each address counts once whatever the tiles)."""
+    names = ("INTERPRET_ON_CPU", "WEIGHT_GRAD_PROGRAMS", "BLOCK_CHANNELS")
+    saved = [getattr(fused_connections, name) for name in names]
+    for name, value in zip(names, (True, 1, 256)):
+        setattr(fused_connections, name, value)
+    try:
+        yield
+    finally:
+        for name, value in zip(names, saved):
+            setattr(fused_connections, name, value)
+
+
+def bytes_per_token(residual, stream_dtype):
+    """The JSON entry of one variant and stream dtype: per-token slopes between TOKEN_COUNTS."""
+    with counting_setup():
+        small, large = (count_connection(residual, stream_dtype, t) for t in TOKEN_COUNTS)
+    tokens = TOKEN_COUNTS[1] - TOKEN_COUNTS[0]
+    entry = {"kernels": {}, "torch": 0.0}
+    for phase in ("forward", "backward"):
+        kernels = {name: (large[phase]["kernels"][name] - small[phase]["kernels"][name]) / tokens
+                   for name in large[phase]["kernels"]}
+        torch_share = (large[phase]["torch"] - small[phase]["torch"]) / tokens
+        entry["kernels"].update(kernels)
+        entry["torch"] += torch_share
+        entry[phase] = sum(kernels.values()) + torch_share
+    entry["total"] = entry["forward"] + entry["backward"]
+    return entry
+
+
+def count_all(residuals=VARIANTS, stream_dtypes=tuple(STREAM_DTYPES)):
+    return {residual: {name: bytes_per_token(residual, STREAM_DTYPES[name]) for name in stream_dtypes}
+            for residual in residuals}
+
+
+def markdown(counts):
+    kb = lambda b: f"{b / 1000:.1f}"  # noqa: E731
+    kernel_names = sorted({k for per_dtype in counts.values() for e in per_dtype.values() for k in e["kernels"]})
+    header = ["residual", "streams", "forward KB", "backward KB", "total KB", "floor KB",
+              *[f"{k} KB" for k in kernel_names], "torch KB"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for residual, per_dtype in counts.items():
+        for dtype_name, e in per_dtype.items():
+            row = [residual, dtype_name, kb(e["forward"]), kb(e["backward"]), kb(e["total"]),
+                   kb(budget(STREAM_DTYPES[dtype_name])), *[kb(e["kernels"].get(k, 0)) for k in kernel_names],
+                   kb(e["torch"])]
+            lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def comma_list(valid):
+    def parse(text):
+        items = [item for item in text.split(",") if item]
+        unknown = [item for item in items if item not in valid]
+        if unknown or not items:
+            raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(valid)}, got '{text}'")
+        return tuple(items)
+    return parse
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", help="also write the counts to this JSON file")
+    parser.add_argument("--residuals", type=comma_list(VARIANTS), default=VARIANTS)
+    parser.add_argument("--stream_dtypes", type=comma_list(tuple(STREAM_DTYPES)), default=tuple(STREAM_DTYPES))
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        parser.error("needs TRITON_INTERPRET=1 (unset, or set to 1)")
+    counts = count_all(args.residuals, args.stream_dtypes)
+    print(f"Bytes per token per connection, n = {N_STREAMS}, C = {WIDTH}, bf16 autocast, bf16 branch output "
+          f"(1 KB = 1000 bytes; floor 7 nCs + 16 C):\n")
+    print(markdown(counts))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(counts, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""The byte counter (scripts/count_bytes.py) and the fused path's budget: per token and connection,
+forward + backward, at most 7 nCs + 16 C bytes (n = 4, C = 768) for every variant and stream dtype.
+
+The kernels run in Triton's interpreter on CPU, so TRITON_INTERPRET is set while pytest collects this
+module, before anything imports triton (fused_connections imports it at its first launch)."""
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+triton = pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("the byte counter needs Triton's interpreter (TRITON_INTERPRET=1)", allow_module_level=True)
+
+import triton.language as tl  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+
+import count_bytes  # noqa: E402
+
+
+@triton.jit
+def copy_twice_kernel(src_ptr, dst_ptr, count, BLOCK: tl.constexpr):
+    """Reads every element of src twice (the second read counts nothing) and writes dst."""
+    index = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = index < count
+    first = tl.load(src_ptr + index, mask=ok)
+    again = tl.load(src_ptr + index, mask=ok)
+    tl.store(dst_ptr + index, first + again, mask=ok)
+
+
+@triton.jit
+def read_write_one_kernel(ptr):
+    """Unmasked load and store of one address: one read and one write."""
+    tl.store(ptr, tl.load(ptr) + 1)
+
+
+def test_kernel_counter_counts_each_address_once_per_launch_and_direction():
+    counter = count_bytes.KernelBytes()
+    src, dst = torch.ones(37), torch.zeros(37, dtype=torch.bfloat16)
+    with counter.patched():
+        with counter.launch("copy"):
+            copy_twice_kernel[(3,)](src, dst, 37, BLOCK=16)  # 48 lanes, 11 masked off
+        with counter.launch("copy"):
+            copy_twice_kernel[(1,)](src, dst, 5, BLOCK=16)
+        with counter.launch("one"):
+            read_write_one_kernel[(4,)](src)  # four programs, one address
+    assert counter.bytes == {"copy": 37 * 4 + 37 * 2 + 5 * 4 + 5 * 2, "one": 4 + 4}
+    assert torch.equal(dst[:37].float(), torch.full((37,), 2.0))
+
+
+def test_torch_counter_counts_inputs_and_outputs_but_not_views_or_allocations():
+    a, b = torch.ones(10), torch.ones(10, dtype=torch.float64)
+    with count_bytes.TorchBytes() as counter:
+        c = a + b  # 40 + 80 read, 80 written
+        c.view(2, 5).t()  # views
+        torch.empty(1000)  # allocation
+        a.new_zeros(()).expand(100)  # a fill of 4 bytes, then a view
+    assert c.dtype == torch.float64
+    assert counter.bytes == 40 + 80 + 80 + 4
+
+
+@pytest.fixture(scope="module")
+def counts():
+    return count_bytes.count_all()
+
+
+@pytest.mark.parametrize("stream_dtype", list(count_bytes.STREAM_DTYPES))
+@pytest.mark.parametrize("residual", count_bytes.VARIANTS)
+def test_bytes_per_token_within_the_floor(counts, residual, stream_dtype):
+    entry = counts[residual][stream_dtype]
+    floor = count_bytes.budget(count_bytes.STREAM_DTYPES[stream_dtype])
+    assert entry["total"] <= floor, f"{residual} {stream_dtype}: {entry['total']:.0f} > {floor} bytes per token"
+    assert set(entry["kernels"]) == {"pre_kernel", "post_kernel", "post_backward_kernel", "pre_backward_kernel"}
+    assert entry["total"] == pytest.approx(entry["forward"] + entry["backward"])
+    assert entry["forward"] + entry["backward"] == pytest.approx(sum(entry["kernels"].values()) + entry["torch"])
+    # The floor's own terms: x read twice and x_next written once forward, 4 full passes backward.
+    stream = count_bytes.N_STREAMS * count_bytes.WIDTH * torch.finfo(count_bytes.STREAM_DTYPES[stream_dtype]).bits // 8
+    assert entry["forward"] >= 3 * stream and entry["backward"] >= 4 * stream
+
+
+def test_cli_writes_the_json_schema(tmp_path, capsys, monkeypatch, counts):
+    monkeypatch.setattr(count_bytes, "count_all", lambda residuals, dtypes: {
+        r: {d: counts[r][d] for d in dtypes} for r in residuals})
+    path = tmp_path / "bytes.json"
+    count_bytes.main(["--json", str(path), "--residuals", "mhclite", "--stream_dtypes", "bfloat16"])
+    data = json.loads(path.read_text())
+    assert list(data) == ["mhclite"] and list(data["mhclite"]) == ["bfloat16"]
+    assert set(data["mhclite"]["bfloat16"]) == {"kernels", "torch", "forward", "backward", "total"}
+    assert "| mhclite | bfloat16 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        count_bytes.main(["--residuals", "res"])
