@@ -22,10 +22,19 @@ projection weight's gradient into per-program partials (WEIGHT_GRAD_PROGRAMS of 
 one small torch reduction). No autograd add of two full-size gradients, no cast copy of x. Saved
 for backward: x and per token O(n^2) floats (z, rms_inv, the coefficients), nothing n x C wide.
 
-Bytes moved per token and connection (n = 4, C = 768, bf16 branch output, bf16 autocast),
-counted by `python scripts/count_bytes.py` (each kernel in Triton's interpreter, each address
-once per launch, plus every torch op between the kernels; per-token slope between two token
-counts): see docs/benchmarks.md for the table and the floor 7 nCs + 16 C.
+Bytes moved per token and connection, counted by `python scripts/count_bytes.py` (each kernel in
+Triton's interpreter, each address once per launch and direction, plus every torch op between the
+kernels: none per token; per-token slope between two token counts), n = 4, C = 768, bf16 autocast,
+bf16 branch output, in KB (1000 bytes); the floor is 7 nCs + 16 C (98.3 / 55.3 KB):
+
+                   pre    post   post_backward  pre_backward  forward  backward  total
+    fp32 streams   15.6   26.2   15.4           40.1          41.8     55.5      97.2 (mhclite 97.3)
+    bf16 streams    9.4   13.9    9.2           21.6          23.3     30.9      54.2
+    pre           reads x (twice on chip, counted once): nCs; writes u (4C) and O(n^2) floats
+    post          reads x, y, h_res, h_post; writes x_next: 2 nCs + s_y C
+    post_backward reads g and y; writes grad y: nCs + 2 s_y C
+    pre_backward  reads x, g, grad u, O(n^2) floats; writes grad x: 3 nCs + 4C
+The same for hc, mhc and mhclite to within 0.1 KB (their O(n^2) per-token floats differ).
 
 CUDA is the target. On CPU the same kernels run in Triton's interpreter, for tests only: a CPU
 tensor takes this path only when INTERPRET_ON_CPU is set and TRITON_INTERPRET=1, which must be set
@@ -50,9 +59,12 @@ STREAMS = 4  # the kernels are written for n = 4 streams
 STREAM_DTYPES = (torch.float32, torch.bfloat16)
 MIN_SINKHORN_ITERS = 4  # the Sinkhorn backward keeps four checkpoints
 
-# Tile sizes (constexprs): tokens per program and channels per loop step.
+# Tile sizes (constexprs): tokens per program (tl.dot needs >= 16) and channels per loop step, and
+# warps of the pre kernels: with these, compiled for sm_80 and sm_90 with bf16 autocast, no kernel
+# spills registers (docs/benchmarks.md).
 BLOCK_TOKENS = 16
-BLOCK_CHANNELS = 32
+BLOCK_CHANNELS = 16
+PRE_WARPS = 8
 # Programs of the backward kernel, each with its own weight-sized partial of grad W: a fixed number,
 # so that the partials cost the same whatever the token count.
 WEIGHT_GRAD_PROGRAMS = 128
@@ -178,7 +190,8 @@ def _dot_operands(bf16_operands, device):
 def _variant_constexprs(variant, weight, bf16_operands, sinkhorn_iters, device):
     res = 0 if variant == "hc" else weight.shape[0] - 2 * STREAMS
     return dict(VARIANT=variant, RES=res, ITERS=sinkhorn_iters, OPERANDS=_dot_operands(bf16_operands, device),
-                BLOCK_T=BLOCK_TOKENS, BLOCK_C=BLOCK_CHANNELS, RES_BLOCK=max(16, _power_of_two_at_least(res)))
+                BLOCK_T=BLOCK_TOKENS, BLOCK_C=BLOCK_CHANNELS, RES_BLOCK=max(16, _power_of_two_at_least(res)),
+                num_warps=PRE_WARPS)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -226,7 +226,8 @@ def count_all(residuals=VARIANTS, stream_dtypes=tuple(STREAM_DTYPES)):
 
 def markdown(counts):
     kb = lambda b: f"{b / 1000:.1f}"  # noqa: E731
-    kernel_names = sorted({k for per_dtype in counts.values() for e in per_dtype.values() for k in e["kernels"]})
+    kernel_names = list(dict.fromkeys(k for per_dtype in counts.values() for e in per_dtype.values()
+                                      for k in e["kernels"]))  # in launch order
     header = ["residual", "streams", "forward KB", "backward KB", "total KB", "floor KB",
               *[f"{k} KB" for k in kernel_names], "torch KB"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

@@ -129,8 +129,7 @@ def test_connection_pre_matches_torch(residual, x_dtype, bf16_operands, small_bl
     assert next_grad.shape == x.shape and next_grad.dtype == x_dtype and next_grad.stride() == (0, 0, 0)
 
 
-@pytest.mark.parametrize("bf16_operands", [False, True])
-@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("x_dtype, bf16_operands", [(torch.float32, False), (torch.bfloat16, True)])
 @pytest.mark.parametrize("residual", VARIANTS)
 def test_connection_pre_backward_matches_torch(residual, x_dtype, bf16_operands, small_blocks):
     """Against float64 autograd of sum(grad_u u) + sum(grad_h_post h_post) + sum(g (h_res x)): the
