@@ -352,12 +352,16 @@ def mixing_grad_x(grad_ptr, grad_u_ptr, h_pre, h_res, token, token_ok, start, C,
     """The mixing's part of grad x[j] for one channel block: h_pre[j] grad u + sum_i h_res[i, j] g[i]."""
     stream = tl.arange(0, STREAMS)
     channel = start + tl.arange(0, BLOCK_C)
-    channel_ok = channel < C
-    tile = token.to(tl.int64)[:, None, None] * (STREAMS * C) + stream[None, :, None] * C + channel[None, None, :]
-    grad = tl.load(grad_ptr + tile, mask=token_ok[:, None, None] & channel_ok[None, None, :], other=0.0).to(tl.float32)
-    grad_u = tl.load(grad_u_ptr + token.to(tl.int64)[:, None] * C + channel[None, :],
-                     mask=token_ok[:, None] & channel_ok[None, :], other=0.0).to(tl.float32)
-    return h_pre[:, :, None] * grad_u[:, None, :] + tl.sum(h_res[:, :, :, None] * grad[:, :, None, :], axis=1)
+    vector = token.to(tl.int64)[:, None] * C + channel[None, :]
+    vector_ok = token_ok[:, None] & (channel < C)[None, :]
+    grad_u = tl.load(grad_u_ptr + vector, mask=vector_ok, other=0.0).to(tl.float32)
+    out = h_pre[:, :, None] * grad_u[:, None, :]
+    for i in tl.static_range(STREAMS):  # stream by stream: (T, n, BLOCK_C) tiles, not (T, n, n, BLOCK_C)
+        grad_i = tl.load(grad_ptr + vector + i * C + token.to(tl.int64)[:, None] * ((STREAMS - 1) * C),
+                         mask=vector_ok, other=0.0).to(tl.float32)
+        h_res_i = tl.sum(tl.where(stream[None, :, None] == i, h_res, 0.0), axis=1)  # h_res[:, i, :]
+        out += h_res_i[:, :, None] * grad_i[:, None, :]
+    return out
 
 
 @triton.jit
