@@ -49,7 +49,7 @@ from torch.profiler import ProfilerActivity, profile
 from tqdm import tqdm
 
 import fused_connections
-from model import GPT, STREAM_DTYPES, GPTConfig, connection_options, model_shape
+from model import GPT, STREAM_DTYPES, GPTConfig, connection_options, connection_path, model_shape
 from residuals import RESIDUALS, permutation_matrices, sinkhorn
 from train import PEAK_FLOPS, synchronize
 
@@ -310,7 +310,8 @@ def bench_models(configs, baselines, args, device):
                        timing_group=index, tokens_per_s=tokens_per_step / (row["median_ms"] / 1000),
                        mfu=model.estimate_mfu(tokens_per_step, row["median_ms"] / 1000, peak) if peak else None,
                        saved_activation_bytes=saved_activation_bytes(model, x, y, ctx),
-                       cuda_peak_bytes=sum(memory[name]) if cuda else None)
+                       cuda_peak_bytes=sum(memory[name]) if cuda else None,
+                       connections=model.connection_path(device))
             summary[name] = row
         del models, optimizers, runners, steps
         free_device_memory(device)
@@ -364,15 +365,20 @@ def micro_connections(configs, args, device):
     """Each variant's connection module alone, forward + backward at the model's (B, T, n, C)."""
     generator = torch.Generator().manual_seed(args.seed)
     ctx = autocast_context(device, args.dtype)
-    steps = {}
+    steps, paths = {}, {}
     for name, config in configs.items():
         shape = (args.batch_size, args.block_size, config.n_streams, config.n_embd)
         dtype = STREAM_DTYPES[config.stream_dtype] if config.residual in HC_FAMILY else torch.float32
         x = torch.randn(shape, generator=generator).to(device, dtype).requires_grad_()
         grad = torch.randn(shape, generator=generator).to(device, dtype)
-        steps[name] = connection_step(connection_module(config).to(device), x, grad, ctx, config.fused_connections)
+        module = connection_module(config).to(device)
+        steps[name] = connection_step(module, x, grad, ctx, config.fused_connections)
+        paths[name] = connection_path(config, module, device)
     times = interleaved_times(steps, args.warmup + args.steps, args.warmup, device, "micro: connections")
-    return summarise(times, {name: "res" for name in configs})
+    summary = summarise(times, {name: "res" for name in configs})
+    for name, row in summary.items():
+        row["connections"] = paths[name]
+    return summary
 
 
 def h_res_steps(n, rows, iters, seed, device):
@@ -511,6 +517,12 @@ def h_res_table(summary, n, rows_count, iters):
     return markdown_table([f"H_res alone, {rows_count} x n={n} (fwd+bwd)", "ms", "IQR ms", "ops", "x mhclite"], rows)
 
 
+def connections_line(summary):
+    """Which code ran each variant's connections: fused kernels or residuals.py, and why."""
+    return "connections: " + "; ".join(f"{name} {r['connections']['path']} ({r['connections']['why']})"
+                                       for name, r in summary.items())
+
+
 def compile_table(results):
     rows = [[name, fmt(r["compile_s"], ".1f"), fmt(r["first_step_s"], ".1f"), fmt(r["step_ms"], ".1f")]
             for name, r in results.items()]
@@ -638,11 +650,13 @@ def run(args, argv):
         result["mode"], result["baseline"] = "n_sweep", "mhc with the same n"
         result["variants"] = bench_models(configs, baselines, args, device)
         print(f"## n/K sweep: mhclite vs mhc, {title}\n\n{model_table(result['variants'], 'mhc', cuda)}\n")
+        print(connections_line(result["variants"]) + "\n")
     else:
         configs = main_variants(args.residual_list, args.recompute, **common)
         result["mode"], result["baseline"] = "variants", "res"
         result["variants"] = bench_models(configs, {name: "res" for name in configs}, args, device)
         print(f"## Training step, {title}\n\n{model_table(result['variants'], 'res', cuda)}\n")
+        print(connections_line(result["variants"]) + "\n")
         if args.micro:
             result["micro"] = {"connections": micro_connections(configs, args, device)}
             print(f"## Micro: one connection module, branch 0.5*u\n\n{connection_table(result['micro']['connections'])}\n")

@@ -67,16 +67,35 @@ BLOCK_CHANNELS = 256
 
 STREAM_DTYPES = (torch.float32, torch.bfloat16)
 
+# The one stream count the kernels are written for; None: any n.
+KERNEL_N_STREAMS = None
+
+
+def unsupported_reason(module, x) -> str | None:
+    """Why connection_forward cannot run `module` on x here, or None when it can. The one place that
+    says which connections, inputs and devices the kernels take (attribute checks only, traceable)."""
+    if not TRITON_AVAILABLE:
+        return "triton not installed"
+    if not isinstance(module, StreamConnection):
+        return "not an HC-family connection"
+    if KERNEL_N_STREAMS is not None and module.n_streams != KERNEL_N_STREAMS:
+        return f"n_streams={module.n_streams}: kernels are for n={KERNEL_N_STREAMS}"
+    if x.dtype not in STREAM_DTYPES:
+        return f"stream dtype {str(x.dtype).removeprefix('torch.')}"
+    if x.dim() != 4 or x.shape[-2] != module.n_streams or x.shape[-1] != module.width:
+        return "input is not (B, T, n, C) for this connection"
+    if x.device.type == "cuda":
+        return None
+    if x.device.type != "cpu":
+        return f"device {x.device.type}: the kernels run on CUDA"
+    if not (INTERPRET_ON_CPU and os.environ.get("TRITON_INTERPRET") == "1"):
+        return "CPU without the Triton interpreter"
+    return None
+
 
 def supported(module, x) -> bool:
-    """Whether connection_forward can run `module` on x here (attribute checks only, traceable)."""
-    if not TRITON_AVAILABLE or not isinstance(module, StreamConnection):
-        return False
-    if x.dtype not in STREAM_DTYPES or x.dim() != 4 or x.shape[-2] != module.n_streams or x.shape[-1] != module.width:
-        return False
-    if x.device.type == "cuda":
-        return True
-    return x.device.type == "cpu" and INTERPRET_ON_CPU and os.environ.get("TRITON_INTERPRET") == "1"
+    """Whether connection_forward can run `module` on x here."""
+    return unsupported_reason(module, x) is None
 
 
 def connection_forward(module, x, branch):
@@ -102,13 +121,19 @@ def connection_forward(module, x, branch):
 # Launching
 
 
+def kernel(name):
+    """The Triton kernel `name` (a JITFunction; an InterpretedFunction under TRITON_INTERPRET=1)."""
+    return getattr(_kernels(), name)
+
+
 def _launch(name, grid, device, *args, **constexprs):
-    kernel = getattr(_kernels(), name)
+    """Every kernel launch goes through here (scripts/kernel_resources.py and bench.py --kernels
+    record them)."""
     if device.type == "cuda":
         with torch.cuda.device(device):  # triton launches on the current device
-            kernel[grid](*args, **constexprs)
+            kernel(name)[grid](*args, **constexprs)
     else:
-        kernel[grid](*args, **constexprs)  # CPU tensors: only under TRITON_INTERPRET=1 (see supported)
+        kernel(name)[grid](*args, **constexprs)  # CPU tensors: only under TRITON_INTERPRET=1 (see supported)
 
 
 def _cdiv(a, b):
