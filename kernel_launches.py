@@ -75,11 +75,13 @@ def connection_launches(residual, stream_dtype, autocast, width, batch, time, de
     device = torch.device(device)
     config = GPTConfig(residual=residual, n_streams=n_streams, n_embd=width, n_head=1, stream_dtype=stream_dtype)
     generator = torch.Generator().manual_seed(seed)
-    module = RESIDUALS[residual](width, n_streams, 0, **connection_options(config)).to(device)
+    module = RESIDUALS[residual](width, n_streams, 0, **connection_options(config))
     branch = torch.nn.Linear(width, width, bias=False)
-    with torch.no_grad():
+    with torch.no_grad():  # off the zero init, so that every output and gradient carries values
+        for p in module.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=generator))
         branch.weight.copy_(torch.randn(width, width, generator=generator) / width ** 0.5)
-    branch.to(device)
+    module.to(device), branch.to(device)
     shape = (batch, time, n_streams, width)
     x = torch.randn(shape, generator=generator).to(device, STREAM_DTYPES[stream_dtype]).requires_grad_()
     grad = torch.randn(shape, generator=generator).to(device, STREAM_DTYPES[stream_dtype])
