@@ -65,7 +65,7 @@ def missing_tool():
     for tool in ("ptxas", "cuobjdump"):
         try:
             getattr(triton.knobs.nvidia, tool).path
-        except RuntimeError as e:
+        except (RuntimeError, OSError) as e:  # not found, or not executable
             return f"{tool} not found ({e})"
     return None
 
@@ -150,12 +150,17 @@ def measure(residuals, stream_dtypes, widths, ccs, jobs):
 
 
 def table(records, ccs):
-    """One row per distinct compilation; the variants that launch the same one share its row."""
+    """One row per distinct compilation, the variants that launch the same one sharing its row;
+    ordered by width, autocast (bf16 first), stream dtype, then launch order."""
     rows = {}
-    for r in records:
+    for index, r in enumerate(records):
         key = (r["kernel"], r["stream_dtype"], r["autocast"], r["width"],
                json.dumps([r["signature"], r["constexprs"], r["divisible"]], default=str))
-        rows.setdefault(key, dict(r, residuals=[]))["residuals"].append(r["residual"])
+        rows.setdefault(key, dict(r, residuals=[], index=index))["residuals"].append(r["residual"])
+    widths = list(dict.fromkeys(r["width"] for r in records))
+    order = {row_key: (widths.index(row["width"]), row["autocast"] != "bfloat16", row["stream_dtype"] != "float32",
+                       row["index"]) for row_key, row in rows.items()}
+    rows = {key: rows[key] for key in sorted(rows, key=order.get)}
     header = ["kernel", "variants", "streams", "autocast", "C"]
     for cc in ccs:
         header += [f"sm_{cc} regs", "stack B", "shared KB", "CTAs/SM"]
