@@ -5,6 +5,7 @@
     python bench.py --size M                       # on a GPU: cuda, bf16, compiled, 16 x 1024, with and without recompute
     python bench.py --size tiny --device cpu --n_sweep 4,6,8 --k_sweep 8,32,128   # mhclite (K perms) vs mhc per n
     python bench.py --size tiny --device cpu --compile_time --recompute off       # cold-cache compile seconds
+    python bench.py --size M --kernels             # each fused connection kernel alone: time, GB/s, x copy
 
 Every variant lives in this one process and is measured interleaved: round r runs one training
 step of every variant, in an order rotated by r, so that drifts of the machine (other jobs, clock
@@ -49,7 +50,8 @@ from torch.profiler import ProfilerActivity, profile
 from tqdm import tqdm
 
 import fused_connections
-from model import GPT, STREAM_DTYPES, GPTConfig, connection_options, model_shape
+from kernel_launches import connection_launches
+from model import GPT, STREAM_DTYPES, GPTConfig, connection_options, connection_path, model_shape
 from residuals import RESIDUALS, permutation_matrices, sinkhorn
 from train import PEAK_FLOPS, synchronize
 
@@ -61,6 +63,7 @@ NUM_BATCHES = 4  # distinct random batches, cycled
 COMPILE_PROBE_STEPS = 5  # ordinary compiled steps timed after the first one
 MEMORY_STEPS = 2  # steps measured for a variant's peak memory, after one warm-up step
 MEMORY_BUDGET_FRACTION = 0.85  # of the free GPU memory, for the variants timed side by side
+COUNT_BYTES_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "count_bytes.py")
 
 
 class BenchError(Exception):
@@ -310,7 +313,8 @@ def bench_models(configs, baselines, args, device):
                        timing_group=index, tokens_per_s=tokens_per_step / (row["median_ms"] / 1000),
                        mfu=model.estimate_mfu(tokens_per_step, row["median_ms"] / 1000, peak) if peak else None,
                        saved_activation_bytes=saved_activation_bytes(model, x, y, ctx),
-                       cuda_peak_bytes=sum(memory[name]) if cuda else None)
+                       cuda_peak_bytes=sum(memory[name]) if cuda else None,
+                       connections=model.connection_path(device))
             summary[name] = row
         del models, optimizers, runners, steps
         free_device_memory(device)
@@ -364,15 +368,20 @@ def micro_connections(configs, args, device):
     """Each variant's connection module alone, forward + backward at the model's (B, T, n, C)."""
     generator = torch.Generator().manual_seed(args.seed)
     ctx = autocast_context(device, args.dtype)
-    steps = {}
+    steps, paths = {}, {}
     for name, config in configs.items():
         shape = (args.batch_size, args.block_size, config.n_streams, config.n_embd)
         dtype = STREAM_DTYPES[config.stream_dtype] if config.residual in HC_FAMILY else torch.float32
         x = torch.randn(shape, generator=generator).to(device, dtype).requires_grad_()
         grad = torch.randn(shape, generator=generator).to(device, dtype)
-        steps[name] = connection_step(connection_module(config).to(device), x, grad, ctx, config.fused_connections)
+        module = connection_module(config).to(device)
+        steps[name] = connection_step(module, x, grad, ctx, config.fused_connections)
+        paths[name] = connection_path(config, module, device)
     times = interleaved_times(steps, args.warmup + args.steps, args.warmup, device, "micro: connections")
-    return summarise(times, {name: "res" for name in configs})
+    summary = summarise(times, {name: "res" for name in configs})
+    for name, row in summary.items():
+        row["connections"] = paths[name]
+    return summary
 
 
 def h_res_steps(n, rows, iters, seed, device):
@@ -423,6 +432,104 @@ def micro_h_res(args, device, n, iters):
     for name, fn in steps.items():
         summary[name]["ops"] = count_ops(fn, device)
     return summary
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels alone (--kernels): each fused connection kernel replayed by itself
+
+
+def time_alone(fn, warmup, repeats, device, calls=10):
+    """Median ms of one fn() call. On CUDA each repeat brackets `calls` back-to-back calls with
+    events, so that launch overhead hides behind the kernels as in a training step."""
+    calls = calls if device.type == "cuda" else 1
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / calls)
+        else:
+            began = time.perf_counter()
+            fn()
+            times.append(1000 * (time.perf_counter() - began))
+    return statistics.median(times)
+
+
+def kernel_bytes(args, residuals):
+    """Bytes per token per kernel from scripts/count_bytes.py's JSON ({residual: {stream dtype: {"kernels":
+    {kernel: bytes}}}}): --kernel_bytes, or a run of the script on CPU in Triton's interpreter."""
+    path = args.kernel_bytes
+    with tempfile.TemporaryDirectory(prefix="bench-bytes-") as folder:
+        if path is None:
+            if not os.path.isfile(COUNT_BYTES_SCRIPT):
+                raise BenchError("scripts/count_bytes.py is missing; pass --kernel_bytes PATH")
+            path = os.path.join(folder, "bytes.json")
+            env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+            proc = subprocess.run([sys.executable, COUNT_BYTES_SCRIPT, "--json", path, "--residuals", ",".join(residuals),
+                                   "--stream_dtypes", ",".join(STREAM_DTYPES)], env=env, capture_output=True, text=True)
+            if proc.returncode != 0:
+                last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+                raise BenchError(f"scripts/count_bytes.py failed: {last}")
+        try:
+            with open(path, encoding="utf-8") as f:
+                return json.load(f)
+        except (OSError, ValueError) as e:
+            raise BenchError(f"cannot read the kernel bytes {path}: {e}") from None
+
+
+def kernel_bench(args, device):
+    """Every fused connection kernel alone, at the benchmark's (B, T, n, C), for each HC-family
+    variant with fp32 and bf16 streams: the launches of one forward + backward of the variant's
+    connection are recorded (kernel_launches.py), then each is replayed alone and timed; GB/s from
+    the counted bytes per token, against a device-to-device copy of the streams measured here."""
+    residuals = [r for r in args.residual_list if r in HC_FAMILY]
+    if not residuals:
+        raise BenchError(f"--kernels times the HC family's kernels; --residuals has none of {', '.join(HC_FAMILY)}")
+    counted = kernel_bytes(args, residuals)
+    n, width, tokens = GPTConfig.n_streams, args.shape["n_embd"], args.batch_size * args.block_size
+    rows, copies = [], {}
+    for stream_dtype, dtype in STREAM_DTYPES.items():
+        source = torch.randn(tokens, n, width, generator=torch.Generator().manual_seed(args.seed)).to(device, dtype)
+        target = torch.empty_like(source)
+        copy_ms = time_alone(lambda: target.copy_(source), args.warmup, args.steps, device)
+        copies[stream_dtype] = dict(ms=copy_ms, bytes=2 * source.nbytes, gb_per_s=2 * source.nbytes / copy_ms / 1e6)
+        del source, target
+        for residual in residuals:
+            launches = connection_launches(residual, stream_dtype, args.dtype == "bfloat16", width, args.batch_size,
+                                           args.block_size, device, n_streams=n, seed=args.seed)
+            synchronize(device)
+            by_kernel = {}
+            for launch in launches:
+                row = by_kernel.setdefault(launch.kernel, dict(residual=residual, stream_dtype=stream_dtype,
+                                                               kernel=launch.kernel, phase=launch.phase, launches=0, ms=0.0))
+                row["launches"] += 1
+                row["ms"] += time_alone(launch.replay, args.warmup, args.steps, device)
+            for row in by_kernel.values():
+                per_token = counted.get(residual, {}).get(stream_dtype, {}).get("kernels", {}).get(row["kernel"])
+                gb_per_s = per_token * tokens / row["ms"] / 1e6 if per_token is not None else None
+                rows.append(dict(row, bytes_per_token=per_token, gb_per_s=gb_per_s,
+                                 copy_ratio=ratio(gb_per_s, copies[stream_dtype]["gb_per_s"])))
+            del launches
+            free_device_memory(device)
+    return dict(rows=rows, copies=copies, tokens=tokens, n_streams=n, width=width, autocast=args.dtype,
+                kernel_bytes=args.kernel_bytes or "scripts/count_bytes.py", dry_run=device.type != "cuda")
+
+
+def kernel_table(result):
+    rows = [[r["residual"], r["stream_dtype"], r["kernel"].removesuffix("_kernel"), r["phase"], str(r["launches"]),
+             fmt(1000 * r["ms"], ".1f"), fmt(r["bytes_per_token"], ",.0f"), fmt(r["gb_per_s"], ".0f"),
+             fmt(r["copy_ratio"], ".2f")] for r in result["rows"]]
+    copies = "; ".join(f"{dtype} streams {fmt(c['gb_per_s'], '.0f')} GB/s ({fmt(1000 * c['ms'], '.1f')} us for "
+                       f"{c['bytes'] / 2**20:.1f} MiB read + written)" for dtype, c in result["copies"].items())
+    table = markdown_table(["variant", "streams", "kernel", "phase", "launches", "us", "bytes/token", "GB/s",
+                            "x copy"], rows)
+    return f"{table}\n\ndevice-to-device copy of the streams: {copies}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -511,6 +618,12 @@ def h_res_table(summary, n, rows_count, iters):
     return markdown_table([f"H_res alone, {rows_count} x n={n} (fwd+bwd)", "ms", "IQR ms", "ops", "x mhclite"], rows)
 
 
+def connections_line(summary):
+    """Which code ran each variant's connections: fused kernels or residuals.py, and why."""
+    return "connections: " + "; ".join(f"{name} {r['connections']['path']} ({r['connections']['why']})"
+                                       for name, r in summary.items())
+
+
 def compile_table(results):
     rows = [[name, fmt(r["compile_s"], ".1f"), fmt(r["first_step_s"], ".1f"), fmt(r["step_ms"], ".1f")]
             for name, r in results.items()]
@@ -571,6 +684,10 @@ def parse_args(argv):
     parser.add_argument("--peak_flops", type=float, help="peak FLOP/s for MFU (default: by GPU name)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="output path (default out/bench/<size>-<device>-<dtype>[-compiled][-sweep].json)")
+    parser.add_argument("--kernels", action="store_true",
+                        help="time each fused connection kernel alone instead (CUDA; on CPU only under "
+                             "TRITON_INTERPRET=1, a dry run whose times mean nothing)")
+    parser.add_argument("--kernel_bytes", help="--kernels: scripts/count_bytes.py's JSON (default: run it on CPU)")
     parser.add_argument("--compile_probe", help=argparse.SUPPRESS)  # internal: one variant's compile time
     return parser.parse_args(argv)
 
@@ -603,10 +720,18 @@ def resolve(args):
     if args.device_type == "cuda" and args.dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
         raise BenchError("this GPU does not support bfloat16; use --dtype float32")
     args.use_compile = args.compile == "on" or (args.compile == "auto" and args.device_type == "cuda")
+    if args.kernels and (args.n_sweep or args.compile_time):
+        raise BenchError("--kernels runs alone; drop --n_sweep and --compile_time")
+    if args.kernels and not fused_connections.TRITON_AVAILABLE:
+        raise BenchError("--kernels needs triton")
+    if args.kernels and args.device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise BenchError("--kernels times the Triton kernels on CUDA; on CPU it runs only under TRITON_INTERPRET=1 "
+                         "(a dry run at tiny shapes)")
     if args.n_sweep and args.compile_time:
         raise BenchError("--compile_time measures the --residuals variants; run it without --n_sweep")
     if args.json is None:
         suffix = ("-compiled" if args.use_compile else "") + ("-sweep" if args.n_sweep else "")
+        suffix = "-kernels" if args.kernels else suffix
         args.json = os.path.join("out", "bench", f"{args.size}-{args.device_type}-{args.dtype}{suffix}.json")
     return args
 
@@ -633,16 +758,25 @@ def run(args, argv):
              f"{args.stream_dtype}, fused connections {args.fused_connections}, "
              f"{result['device_name']}, torch {torch.__version__}, {args.steps} rounds after {args.warmup} warm-up")
     cuda = device.type == "cuda"
-    if args.n_sweep:
+    if args.kernels:
+        result["mode"] = "kernels"
+        result["kernels"] = kernel_bench(args, device)
+        dry_run = "" if cuda else ", CPU DRY RUN in Triton's interpreter: the times are not GPU times"
+        print(f"## Fused connection kernels alone, {args.batch_size} x {args.block_size} tokens, n = "
+              f"{GPTConfig.n_streams}, C = {args.shape['n_embd']}, autocast {args.dtype}, {result['device_name']}, "
+              f"median of {args.steps} after {args.warmup} warm-up{dry_run}\n\n{kernel_table(result['kernels'])}\n")
+    elif args.n_sweep:
         configs, baselines = sweep_variants(args.n_sweep, args.k_sweep, args.recompute, **common)
         result["mode"], result["baseline"] = "n_sweep", "mhc with the same n"
         result["variants"] = bench_models(configs, baselines, args, device)
         print(f"## n/K sweep: mhclite vs mhc, {title}\n\n{model_table(result['variants'], 'mhc', cuda)}\n")
+        print(connections_line(result["variants"]) + "\n")
     else:
         configs = main_variants(args.residual_list, args.recompute, **common)
         result["mode"], result["baseline"] = "variants", "res"
         result["variants"] = bench_models(configs, {name: "res" for name in configs}, args, device)
         print(f"## Training step, {title}\n\n{model_table(result['variants'], 'res', cuda)}\n")
+        print(connections_line(result["variants"]) + "\n")
         if args.micro:
             result["micro"] = {"connections": micro_connections(configs, args, device)}
             print(f"## Micro: one connection module, branch 0.5*u\n\n{connection_table(result['micro']['connections'])}\n")

@@ -223,3 +223,27 @@ class GPT(nn.Module):
     def estimate_mfu(self, tokens_per_iter: int, dt: float, peak_flops: float) -> float:
         """Model FLOPs utilisation: achieved training FLOP/s over the device's peak."""
         return self.flops_per_token() * tokens_per_iter / dt / peak_flops
+
+    def connection_path(self, device) -> dict:
+        """Which code runs this model's connections on `device` (see connection_path)."""
+        return connection_path(self.config, self.connections()[0], device)
+
+
+def connection_path(config, connection, device) -> dict:
+    """Which code runs `connection` of a model built from config when it runs on `device`, decided
+    as Block.connect decides it, from a stream tensor of the dtype the model's forward gives it:
+    {"path": "fused" or "reference", "why": the reason}."""
+    if not config.fused_connections:
+        return dict(path="reference", why="fused_connections=False")
+    dtype = STREAM_DTYPES[config.stream_dtype] if config.residual != "res" else torch.float32
+    x = torch.empty(0, 1, config.n_streams, config.n_embd, dtype=dtype, device=device)
+    reason = fused_connections.unsupported_reason(connection, x)
+    if reason is not None:
+        return dict(path="reference", why=f"fused_connections=True but: {reason}")
+    engine = "Triton" if x.device.type == "cuda" else "Triton interpreter"
+    return dict(path="fused", why=f"{engine}, n={config.n_streams}")
+
+
+def connection_path_line(residual, path) -> str:
+    """One console line, e.g. `connections: mhclite fused (Triton, n=4)`."""
+    return f"connections: {residual} {path['path']} ({path['why']})"

@@ -53,7 +53,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from checkpoint import (CheckpointError, check_same_model, check_same_run, load_checkpoint, remove_stale_temp_files,
                         save_checkpoint)
 from config import ConfigError, TrainConfig, load_config
-from model import GPT, GPTConfig, model_shape
+from model import GPT, GPTConfig, connection_path_line, model_shape
 
 GPT2_PADDED_VOCAB = 50304  # GPT-2's 50257 tokens padded to a multiple of 64
 PREPARE_COMMANDS = {
@@ -461,10 +461,11 @@ def train(cfg, ddp, rank, world_size, device):
     def mfu_of(step_s):
         return raw_model.estimate_mfu(tokens_per_step, step_s, peak * world_size) if peak else None
 
+    connections = raw_model.connection_path(device)  # fused kernels or residuals.py, and why
     if master:
         os.makedirs(cfg.out_dir, exist_ok=True)
         with open(os.path.join(cfg.out_dir, "config.json"), "w", encoding="utf-8") as f:
-            json.dump(asdict(cfg), f, indent=2)
+            json.dump(dict(asdict(cfg), connections=connections), f, indent=2)
         if os.path.exists(done_path) and step < cfg.max_iters:
             os.remove(done_path)
         removed, freed = remove_stale_temp_files(ckpt_path)
@@ -474,6 +475,7 @@ def train(cfg, ddp, rank, world_size, device):
         log(f"{cfg.residual} {cfg.size}: {raw_model.get_num_params() / 1e6:.2f}M parameters, "
             f"{tokens_per_step:,} tokens/step on {world_size} x {device.type} ({dtype}), "
             f"{'resuming at' if step else 'starting at'} step {step} of {cfg.max_iters} -> {cfg.out_dir}")
+        log(connection_path_line(cfg.residual, connections))
     wandb_run = start_wandb(wandb, cfg) if wandb is not None else None
     metrics = MetricsWriter(os.path.join(cfg.out_dir, "metrics.jsonl"), master,
                             step if cfg.init_from == "resume" else None, wandb_run)
