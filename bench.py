@@ -5,6 +5,7 @@
     python bench.py --size M                       # on a GPU: cuda, bf16, compiled, 16 x 1024, with and without recompute
     python bench.py --size tiny --device cpu --n_sweep 4,6,8 --k_sweep 8,32,128   # mhclite (K perms) vs mhc per n
     python bench.py --size tiny --device cpu --compile_time --recompute off       # cold-cache compile seconds
+    python bench.py --size tiny --device cpu --compile on --compile_mode both     # whole model vs block by block
 
 Every variant lives in this one process and is measured interleaved: round r runs one training
 step of every variant, in an order rotated by r, so that drifts of the machine (other jobs, clock

@@ -10,7 +10,7 @@
 #   bench    ~3.5 min  bench.py --size M for res and mhclite with its defaults (recompute rows, micro-benchmarks)
 #   train    ~4 min    20 training steps of every variant at M on random tokens, compiled block by block
 #                      (the first step's time is the cold compile of that mode)
-#   options  ~5 min    CUDA tests with bf16 streams; bench.py --size M for res and mhclite with bf16 streams,
+#   options  ~5.5 min  CUDA tests with bf16 streams; bench.py --size M for res and mhclite with bf16 streams,
 #                      and with the fused connections and bf16 streams
 #   kernels  ~5.5 min  CUDA tests of the Triton kernels, then bench.py --kernels (per-kernel timings)
 # Every stage runs (a failing one does not stop the next) under a time limit (STAGE_LIMIT_S, 480 s),
@@ -24,7 +24,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 STAGES=(tests bench train options kernels)
-declare -A ESTIMATE_MIN=([tests]=4.5 [bench]=3.5 [train]=4 [options]=5 [kernels]=5.5)
+declare -A ESTIMATE_MIN=([tests]=4.5 [bench]=3.5 [train]=4 [options]=5.5 [kernels]=5.5)
 DEVICE=cuda SIZE=M OUT=out/gpu_check
 requested=()
 while [ $# -gt 0 ]; do
