@@ -6,8 +6,6 @@ import json
 import pytest
 import torch
 
-from torch._dynamo.testing import CompileCounter
-
 import bench
 from model import GPT, GPTConfig, compile_model, model_shape
 
@@ -180,20 +178,20 @@ def test_timing_groups_pair_each_variant_with_its_baseline_when_all_do_not_fit()
 
 
 @pytest.mark.slow
-def test_memory_probe_and_timing_share_one_compile_per_variant(monkeypatch, tmp_path):
+def test_memory_probe_and_timing_share_one_compile_per_variant(monkeypatch, tmp_path, graph_counter):
     """Every variant is compiled once: the memory probe (CUDA; here a stand-in taking the same
     steps) and the timed rounds call the same compiled model, and the timing compiles nothing more."""
     torch._dynamo.reset()
-    counter, compiled, probed = CompileCounter(), [], []
+    compiled, probed = [], []
 
     def compile_spy(model, mode):
         compiled.append(mode)
-        return compile_model(model, mode, backend=counter)
+        return compile_model(model, mode, backend=graph_counter)
 
     def probe(variant, batches, ctx, device):
         for x, y in batches[:2]:
             bench.train_step(variant.runner, variant.optimizer, x, y, ctx)
-        probed.append(counter.frame_count)
+        probed.append(graph_counter.graphs)
         return bench.state_bytes(variant.model, variant.optimizer), 1
 
     monkeypatch.setattr(bench, "compile_model", compile_spy)
@@ -205,7 +203,7 @@ def test_memory_probe_and_timing_share_one_compile_per_variant(monkeypatch, tmp_
     rows = json.loads(out.read_text())["variants"]
     assert list(rows) == ["res", "res/blocks", "mhclite", "mhclite/blocks"]
     assert compiled == ["model", "blocks", "model", "blocks"]
-    assert len(probed) == 4 and probed[0] > 0 and counter.frame_count == probed[-1]
+    assert len(probed) == 4 and probed[0] > 0 and graph_counter.graphs == probed[-1]
     assert all(row["cuda_peak_bytes"] > row["params"] * 4 for row in rows.values())
     assert rows["mhclite/blocks"]["compile_mode"] == "blocks" and rows["mhclite/blocks"]["blocks_over_model"] > 0
 
