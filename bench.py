@@ -5,6 +5,7 @@
     python bench.py --size M                       # on a GPU: cuda, bf16, compiled, 16 x 1024, with and without recompute
     python bench.py --size tiny --device cpu --n_sweep 4,6,8 --k_sweep 8,32,128   # mhclite (K perms) vs mhc per n
     python bench.py --size tiny --device cpu --compile_time --recompute off       # cold-cache compile seconds
+    python bench.py --size tiny --device cpu --compile on --compile_mode both     # whole model vs block by block
     python bench.py --size M --kernels             # each fused connection kernel alone: time, GB/s, x copy
 
 Every variant lives in this one process and is measured interleaved: round r runs one training
@@ -51,12 +52,14 @@ from tqdm import tqdm
 
 import fused_connections
 from kernel_launches import connection_launches
-from model import GPT, STREAM_DTYPES, GPTConfig, connection_options, connection_path, model_shape
+from model import (COMPILE_MODES, DEFAULT_COMPILE_MODE, GPT, STREAM_DTYPES, GPTConfig, compile_model,
+                   connection_options, connection_path, model_shape)
 from residuals import RESIDUALS, permutation_matrices, sinkhorn
 from train import PEAK_FLOPS, synchronize
 
 HC_FAMILY = ("hc", "mhc", "mhclite")
 RECOMPUTE_SUFFIX = "+recompute"
+BLOCKS_SUFFIX = "/blocks"  # the variant compiled block by block, next to the whole-model compile
 DEFAULT_BATCH_BLOCK = {"tiny": (8, 128)}  # (batch_size, block_size) by size
 PAPER_BATCH_BLOCK = (16, 1024)  # every other size
 NUM_BATCHES = 4  # distinct random batches, cycled
@@ -90,6 +93,24 @@ def main_variants(residuals, recompute, shape, block_size, vocab_size, **hc_opti
             configs[name] = GPTConfig(block_size=block_size, vocab_size=vocab_size, residual=residual,
                                       recompute_connections=recompute_connections, **options, **shape)
     return configs
+
+
+def with_compile_modes(configs, modes):
+    """({name: GPTConfig}, {name: compile mode}). With both modes every variant appears twice:
+    "<name>" compiled as a whole model and "<name>/blocks" compiled block by block."""
+    if len(modes) == 1:
+        return configs, {name: modes[0] for name in configs}
+    named, compile_modes = {}, {}
+    for name, config in configs.items():
+        for mode in modes:
+            key = name + (BLOCKS_SUFFIX if mode == "blocks" else "")
+            named[key], compile_modes[key] = config, mode
+    return named, compile_modes
+
+
+def same_mode_baselines(names, baseline):
+    """{name: the baseline compiled the same way}: "res" for whole-model rows, "res/blocks" for blocks rows."""
+    return {name: baseline + (BLOCKS_SUFFIX if name.endswith(BLOCKS_SUFFIX) else "") for name in names}
 
 
 def sweep_variants(n_values, k_values, recompute, shape, block_size, vocab_size, **hc_options):
@@ -215,6 +236,19 @@ def summarise(times, baselines):
     return summary
 
 
+def add_blocks_over_model(summary):
+    """Each "<name>/blocks" row gets blocks_over_model: the median per-round ratio of its step time to
+    "<name>"'s (the ratio of the medians where the two were timed in different groups)."""
+    for name, row in summary.items():
+        whole = summary.get(name[:-len(BLOCKS_SUFFIX)]) if name.endswith(BLOCKS_SUFFIX) else None
+        if whole is None:
+            continue
+        if whole["timing_group"] == row["timing_group"]:
+            row["blocks_over_model"] = statistics.median(b / m for b, m in zip(row["step_ms"], whole["step_ms"]))
+        else:
+            row["blocks_over_model"] = row["median_ms"] / whole["median_ms"]
+
+
 def ratio(value, baseline_value):
     return value / baseline_value if value is not None and baseline_value else None
 
@@ -225,29 +259,48 @@ def free_device_memory(device):
         torch.cuda.empty_cache()
 
 
-def isolated_memory(config, args, device):
+class Variant:
+    """One benchmarked model: its optimizer, and what a training step calls (the model, or its
+    compiled form). Built and compiled once; the memory probe and the timing share it."""
+
+    def __init__(self, model, optimizer, runner):
+        self.model, self.optimizer, self.runner = model, optimizer, runner
+
+    def to(self, device):
+        """Weights and optimizer state to device (the compiled code stays valid for its device)."""
+        self.model.to(device)
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if torch.is_tensor(value):
+                    state[key] = value.to(device)
+
+
+def build_variant(config, compile_mode, args, device):
+    model = build_models({"model": config}, args.seed, device)["model"]
+    runner = compile_model(model, compile_mode) if args.use_compile else model
+    return Variant(model, make_optimizer(model, device), runner)
+
+
+def measures_memory(device):
+    """Whether bench_models measures each variant's peak memory (CUDA's allocator statistics)."""
+    return device.type == "cuda"
+
+
+def step_memory(variant, batches, ctx, device):
     """(state bytes, peak extra bytes of a step) of one variant alone on the GPU: its weights and
     AdamW state, and the most a step allocates on top (max_memory_allocated, reset before each of
     MEMORY_STEPS steps measured after one warm-up step, which compiles)."""
-    model = build_models({"probe": config}, args.seed, device)["probe"]
-    optimizer = make_optimizer(model, device)
-    runner = torch.compile(model) if args.use_compile else model
-    batches = random_batches(NUM_BATCHES, args.batch_size, args.block_size, args.vocab_size, args.seed, device)
-    ctx = autocast_context(device, args.dtype)
     extra = 0
     for i in range(1 + MEMORY_STEPS):
         x, y = batches[i % len(batches)]
         synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-        train_step(runner, optimizer, x, y, ctx)
+        train_step(variant.runner, variant.optimizer, x, y, ctx)
         synchronize(device)
         if i > 0:
             extra = max(extra, torch.cuda.max_memory_allocated(device) - base)
-    state = state_bytes(model, optimizer)
-    del model, optimizer, runner
-    free_device_memory(device)
-    return state, extra
+    return state_bytes(variant.model, variant.optimizer), extra
 
 
 def timing_groups(names, baselines, memory, budget):
@@ -272,52 +325,60 @@ def timing_groups(names, baselines, memory, budget):
     return groups or [list(names)]
 
 
-def bench_models(configs, baselines, args, device):
-    """Interleaved training steps of every variant: time, tokens/s, MFU and memory. On CUDA each
-    variant's memory is first measured alone; the timing then runs in as few groups as fit."""
-    cuda = device.type == "cuda"
-    memory = {}
-    if cuda:
-        for name in tqdm(configs, desc="memory, one variant at a time", leave=False):
-            memory[name] = isolated_memory(configs[name], args, device)
-        budget = MEMORY_BUDGET_FRACTION * torch.cuda.mem_get_info(device)[0]
-    groups = timing_groups(list(configs), baselines, memory, budget if cuda else math.inf)
+def bench_models(configs, baselines, args, device, compile_modes=None):
+    """Interleaved training steps of every variant: time, tokens/s, MFU and memory. Every variant
+    is built and compiled once (compile_modes: {name: "model" or "blocks"}, default args.compile_mode).
+    On CUDA each variant's memory is first measured alone, the others waiting in host memory; the
+    timing then runs in as few groups as fit on the GPU."""
+    measure = measures_memory(device)
+    compile_modes = compile_modes or {name: args.compile_mode for name in configs}
     batches = random_batches(NUM_BATCHES, args.batch_size, args.block_size, args.vocab_size, args.seed, device)
     ctx = autocast_context(device, args.dtype)
+    host = torch.device("cpu")
+    variants, memory = {}, {}
+    for name in tqdm(configs, desc="build" + (", memory one variant at a time" if measure else ""), leave=False):
+        variants[name] = build_variant(configs[name], compile_modes[name], args, device)
+        if measure:
+            memory[name] = step_memory(variants[name], batches, ctx, device)
+            variants[name].to(host)
+            free_device_memory(device)
+    budget = MEMORY_BUDGET_FRACTION * torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else math.inf
+    groups = timing_groups(list(configs), baselines, memory, budget)
     x, y = batches[0]
     tokens_per_step = args.batch_size * args.block_size
     peak = peak_flops(args, device)
     summary = {}
     for index, group in enumerate(groups):
-        models = build_models({name: configs[name] for name in group}, args.seed, device)
-        optimizers = {name: make_optimizer(model, device) for name, model in models.items()}
-        runners = {name: torch.compile(model) for name, model in models.items()} if args.use_compile else models
+        for name in group:
+            variants[name].to(device)
 
-        def step_of(runner, optimizer):
+        def step_of(variant):
             def step(r):
                 x, y = batches[r % len(batches)]
-                train_step(runner, optimizer, x, y, ctx)
+                train_step(variant.runner, variant.optimizer, x, y, ctx)
             return step
 
         desc = "train steps" + (f", group {index + 1}/{len(groups)}" if len(groups) > 1 else "")
-        steps = {name: step_of(runners[name], optimizers[name]) for name in models}
-        times = interleaved_times(steps, args.warmup + args.steps, args.warmup,
-                                  device, desc)
+        times = interleaved_times({name: step_of(variants[name]) for name in group}, args.warmup + args.steps,
+                                  args.warmup, device, desc)
         for name, row in summarise(times, baselines).items():
             if name in summary:
                 continue  # a baseline timed again in a later group keeps its first row
-            model, config = models[name], configs[name]
+            model, config = variants[name].model, configs[name]
             row.update(residual=config.residual, n_streams=config.n_streams, mhclite_perms=config.mhclite_perms,
                        recompute=config.recompute_connections, stream_dtype=config.stream_dtype,
-                       fused_connections=config.fused_connections, params=model.get_num_params(),
-                       timing_group=index, tokens_per_s=tokens_per_step / (row["median_ms"] / 1000),
+                       fused_connections=config.fused_connections, compile_mode=compile_modes[name],
+                       params=model.get_num_params(), timing_group=index,
+                       tokens_per_s=tokens_per_step / (row["median_ms"] / 1000),
                        mfu=model.estimate_mfu(tokens_per_step, row["median_ms"] / 1000, peak) if peak else None,
                        saved_activation_bytes=saved_activation_bytes(model, x, y, ctx),
-                       cuda_peak_bytes=sum(memory[name]) if cuda else None,
+                       cuda_peak_bytes=sum(memory[name]) if measure else None,
                        connections=model.connection_path(device))
             summary[name] = row
-        del models, optimizers, runners, steps
-        free_device_memory(device)
+        if measure:
+            for name in group:
+                variants[name].to(host)
+            free_device_memory(device)
     summary = {name: summary[name] for name in configs}
     for name, row in summary.items():
         base = summary.get(baselines.get(name), {})
@@ -540,14 +601,16 @@ def probe_argv(args, name):
     return ["--size", args.size, "--batch_size", str(args.batch_size), "--block_size", str(args.block_size),
             "--device", args.device_type, "--dtype", args.dtype, "--vocab_size", str(args.vocab_size),
             "--seed", str(args.seed), "--residuals", ",".join(args.residual_list), "--recompute", args.recompute,
-            "--stream_dtype", args.stream_dtype, "--fused_connections", args.fused_connections, "--compile_probe", name]
+            "--stream_dtype", args.stream_dtype, "--fused_connections", args.fused_connections,
+            "--compile_mode", args.compile_mode, "--compile_probe", name]
 
 
-def compile_probe(args, configs, device):
-    """First compiled training step minus an ordinary compiled step, in seconds (this process)."""
-    model = build_models({args.compile_probe: configs[args.compile_probe]}, args.seed, device)[args.compile_probe]
+def compile_probe(args, config, compile_mode, device):
+    """First compiled training step minus an ordinary compiled step, in seconds (this process), and
+    the number of graphs dynamo compiled."""
+    model = build_models({"probe": config}, args.seed, device)["probe"]
     optimizer = make_optimizer(model, device)
-    compiled = torch.compile(model)
+    compiled = compile_model(model, compile_mode)
     batches = random_batches(NUM_BATCHES, args.batch_size, args.block_size, args.vocab_size, args.seed, device)
     ctx = autocast_context(device, args.dtype)
     times = []
@@ -559,7 +622,8 @@ def compile_probe(args, configs, device):
         synchronize(device)
         times.append(time.perf_counter() - start)
     step_s = statistics.median(times[1:])
-    return dict(compile_s=times[0] - step_s, first_step_s=times[0], step_ms=1000 * step_s)
+    return dict(compile_s=times[0] - step_s, first_step_s=times[0], step_ms=1000 * step_s,
+                graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
 def compile_times(args, names):
@@ -625,9 +689,23 @@ def connections_line(summary):
 
 
 def compile_table(results):
-    rows = [[name, fmt(r["compile_s"], ".1f"), fmt(r["first_step_s"], ".1f"), fmt(r["step_ms"], ".1f")]
+    baselines = same_mode_baselines(results, "res")
+    rows = [[name, fmt(r["compile_s"], ".1f"),
+             fmt(ratio(r["compile_s"], results.get(baselines[name], {}).get("compile_s")), ".2f"),
+             fmt(r["first_step_s"], ".1f"), fmt(r["step_ms"], ".1f"), str(r["graphs"])]
             for name, r in results.items()]
-    return markdown_table(["variant", "compile s", "first step s", "compiled step ms"], rows)
+    return markdown_table(["variant", "compile s", "x res", "first step s", "compiled step ms", "graphs"], rows)
+
+
+def blocks_table(summary):
+    """Compiled step time by blocks against the whole-model compile of the same variant."""
+    rows = []
+    for name, row in summary.items():
+        whole = summary.get(name[:-len(BLOCKS_SUFFIX)]) if name.endswith(BLOCKS_SUFFIX) else None
+        if whole is not None:
+            rows.append([name[:-len(BLOCKS_SUFFIX)], fmt(whole["median_ms"], ".1f"), fmt(row["median_ms"], ".1f"),
+                         fmt(row["blocks_over_model"], ".3f")])
+    return markdown_table(["variant", "whole model ms", "blocks ms", "blocks / whole model"], rows)
 
 
 def environment(argv, device):
@@ -664,6 +742,9 @@ def parse_args(argv):
                         help="autocast dtype; auto: bfloat16 on cuda (train.py's default), float32 on cpu")
     parser.add_argument("--compile", default="auto", nargs="?", const="on", choices=["auto", "on", "off"],
                         help="torch.compile every model; auto: on for cuda, off on cpu")
+    parser.add_argument("--compile_mode", default=DEFAULT_COMPILE_MODE, choices=[*COMPILE_MODES, "both"],
+                        help="what torch.compile compiles: the whole model, or each transformer block and the head "
+                             "(regional: one compiled block serves every layer); both: a row for each")
     parser.add_argument("--compile_time", action="store_true",
                         help="also measure each variant's cold-cache compile time in a fresh process")
     parser.add_argument("--steps", type=int, default=20, help="measured rounds")
@@ -727,6 +808,9 @@ def resolve(args):
     if args.kernels and args.device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise BenchError("--kernels times the Triton kernels on CUDA; on CPU it runs only under TRITON_INTERPRET=1 "
                          "(a dry run at tiny shapes)")
+    args.compile_modes = list(COMPILE_MODES) if args.compile_mode == "both" else [args.compile_mode]
+    if args.compile_mode == "both" and args.n_sweep:
+        raise BenchError("--compile_mode both compares the --residuals variants; run it without --n_sweep")
     if args.n_sweep and args.compile_time:
         raise BenchError("--compile_time measures the --residuals variants; run it without --n_sweep")
     if args.json is None:
@@ -741,20 +825,23 @@ def run(args, argv):
     common = dict(shape=args.shape, block_size=args.block_size, vocab_size=args.vocab_size,
                   stream_dtype=args.stream_dtype, fused_connections=args.fused_connections == "on")
     if args.compile_probe:
-        configs = main_variants(args.residual_list, args.recompute, **common)
+        configs, modes = with_compile_modes(main_variants(args.residual_list, args.recompute, **common),
+                                            args.compile_modes)
         if args.compile_probe not in configs:
             raise BenchError(f"unknown variant '{args.compile_probe}'; valid: {', '.join(configs)}")
-        print(json.dumps(compile_probe(args, configs, device)))
+        print(json.dumps(compile_probe(args, configs[args.compile_probe], modes[args.compile_probe], device)))
         return
     result = environment(argv, device)
     result["settings"] = dict(size=args.size, **args.shape, batch_size=args.batch_size, block_size=args.block_size,
                               tokens_per_step=args.batch_size * args.block_size, dtype=args.dtype,
-                              compile=args.use_compile, steps=args.steps, warmup=args.warmup,
+                              compile=args.use_compile, compile_mode=args.compile_mode, steps=args.steps,
+                              warmup=args.warmup,
                               recompute=args.recompute, stream_dtype=args.stream_dtype,
                               fused_connections=args.fused_connections == "on", vocab_size=args.vocab_size, seed=args.seed,
                               peak_flops=peak_flops(args, device))
     title = (f"{args.size} ({args.shape['n_layer']}L, {args.shape['n_embd']}d), batch {args.batch_size} x "
-             f"{args.block_size}, {args.dtype}, {'compiled' if args.use_compile else 'eager'}, HC streams "
+             f"{args.block_size}, {args.dtype}, "
+             f"{f'compiled ({args.compile_mode})' if args.use_compile else 'eager'}, HC streams "
              f"{args.stream_dtype}, fused connections {args.fused_connections}, "
              f"{result['device_name']}, torch {torch.__version__}, {args.steps} rounds after {args.warmup} warm-up")
     cuda = device.type == "cuda"
@@ -772,12 +859,17 @@ def run(args, argv):
         print(f"## n/K sweep: mhclite vs mhc, {title}\n\n{model_table(result['variants'], 'mhc', cuda)}\n")
         print(connections_line(result["variants"]) + "\n")
     else:
-        configs = main_variants(args.residual_list, args.recompute, **common)
+        configs, modes = with_compile_modes(main_variants(args.residual_list, args.recompute, **common),
+                                            args.compile_modes if args.use_compile else COMPILE_MODES[:1])
         result["mode"], result["baseline"] = "variants", "res"
-        result["variants"] = bench_models(configs, {name: "res" for name in configs}, args, device)
+        result["variants"] = bench_models(configs, same_mode_baselines(configs, "res"), args, device, modes)
         print(f"## Training step, {title}\n\n{model_table(result['variants'], 'res', cuda)}\n")
         print(connections_line(result["variants"]) + "\n")
+        if len(set(modes.values())) > 1:
+            add_blocks_over_model(result["variants"])
+            print(f"## Compiled block by block against the whole model\n\n{blocks_table(result['variants'])}\n")
         if args.micro:
+            configs = main_variants(args.residual_list, args.recompute, **common)
             result["micro"] = {"connections": micro_connections(configs, args, device)}
             print(f"## Micro: one connection module, branch 0.5*u\n\n{connection_table(result['micro']['connections'])}\n")
             n, iters = GPTConfig.n_streams, GPTConfig.sinkhorn_iters
@@ -787,7 +879,8 @@ def run(args, argv):
                                             mhc_over_mhclite_ops=h_res["mhc"]["ops"] / h_res["mhclite"]["ops"])
             print(f"## Micro: H_res construction\n\n{h_res_table(h_res, n, args.batch_size * args.block_size, iters)}\n")
         if args.compile_time:
-            result["compile_time"] = compile_times(args, list(configs))
+            result["compile_time"] = compile_times(args, list(with_compile_modes(
+                main_variants(args.residual_list, args.recompute, **common), args.compile_modes)[0]))
             print(f"## Cold-cache compile time (fresh process and inductor cache per variant)\n\n"
                   f"{compile_table(result['compile_time'])}\n")
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

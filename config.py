@@ -17,7 +17,7 @@ import re
 import typing
 from dataclasses import dataclass, fields
 
-from model import MODEL_SIZES
+from model import COMPILE_MODES, DEFAULT_COMPILE_MODE, MODEL_SIZES
 from residuals import RESIDUALS
 
 REPO_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -32,6 +32,7 @@ CHOICES = {
     "init_from": ("scratch", "resume"),
     "dtype": ("auto", "float32", "bfloat16"),
     "compile": ("auto", "true", "false"),
+    "compile_mode": COMPILE_MODES,
     "stream_dtype": ("float32", "bfloat16"),
 }
 
@@ -114,6 +115,7 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N (torchrun picks cuda:LOCAL_RANK)
     dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
     compile: str = "auto"  # auto: on for cuda
+    compile_mode: str = DEFAULT_COMPILE_MODE  # model: the whole model; blocks: one Block's code for all layers, and the head
     peak_flops: typing.Optional[float] = None  # for MFU; None: looked up from the GPU name
     seed: int = 1337
     out_dir: typing.Optional[str] = None  # None: out/<dataset>-<size>-<residual>-s<seed>

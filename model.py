@@ -31,6 +31,24 @@ def model_shape(size: str) -> dict:
 
 
 STREAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+COMPILE_MODES = ("model", "blocks")
+DEFAULT_COMPILE_MODE = "model"  # train.py's and bench.py's
+
+
+def compile_model(model, mode, **options):
+    """torch.compile the whole model ("model"), or each transformer Block and the output head
+    ("blocks", regional compilation). Every Block runs the same code on same-shaped inputs, and its
+    per-layer differences are parameter values, so all layers share the code compiled for the first:
+    compile time no longer grows with the number of layers. options go to torch.compile. Returns
+    what to call for forward."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"unknown compile mode '{mode}'; valid: {', '.join(COMPILE_MODES)}")
+    if mode == "model":
+        return torch.compile(model, **options)
+    for block in model.transformer.h:
+        block.compile(**options)
+    model.head = torch.compile(model.head, **options)
+    return model
 
 
 @dataclass
@@ -180,6 +198,10 @@ class GPT(nn.Module):
             x = x.to(STREAM_DTYPES[self.config.stream_dtype])
         for block in self.transformer.h:
             x = block(x)
+        return self.head(x, targets)
+
+    def head(self, x, targets):
+        """The streams summed, the final LayerNorm, the LM head and the loss: (logits, loss)."""
         x = self.transformer.ln_f(reduce_streams(x))
         if targets is None:
             return self.lm_head(x[:, [-1], :]), None

@@ -53,7 +53,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from checkpoint import (CheckpointError, check_same_model, check_same_run, load_checkpoint, remove_stale_temp_files,
                         save_checkpoint)
 from config import ConfigError, TrainConfig, load_config
-from model import GPT, GPTConfig, connection_path_line, model_shape
+from model import GPT, GPTConfig, compile_model, connection_path_line, model_shape
 
 GPT2_PADDED_VOCAB = 50304  # GPT-2's 50257 tokens padded to a multiple of 64
 PREPARE_COMMANDS = {
@@ -453,7 +453,7 @@ def train(cfg, ddp, rank, world_size, device):
                  for split, stream in EVAL_STREAMS.items()}
 
     use_compile = cfg.compile == "true" or (cfg.compile == "auto" and device.type == "cuda")
-    model = torch.compile(raw_model) if use_compile else raw_model
+    model = compile_model(raw_model, cfg.compile_mode) if use_compile else raw_model
     train_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) if ddp else model
 
     peak = peak_flops(cfg, device, dtype)

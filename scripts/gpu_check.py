@@ -38,15 +38,28 @@ def write_random_data(data_dir):
     print(f"wrote {folder}")
 
 
+def read_jsonl(path):
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def training_throughput(run_dir):
-    """Median tokens/s and MFU over the logged windows after the first (which compiles)."""
-    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
-        records = [json.loads(line) for line in f if line.strip()]
+    """Median tokens/s and MFU over the logged windows after the first (which compiles), and the
+    first step's seconds (torch.compile included)."""
+    records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     windows = [r for r in records if r.get("tokens_per_s") is not None]
     later = windows[1:] or windows
     tokens = statistics.median(r["tokens_per_s"] for r in later) if later else None
     mfus = [r["mfu"] for r in later if r.get("mfu") is not None]
-    return tokens, statistics.median(mfus) if mfus else None
+    first_step = next((r["first_step_s"] for r in records if "first_step_s" in r), None)
+    return tokens, statistics.median(mfus) if mfus else None, first_step
+
+
+def read_json(path):
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
 
 
 @torch.no_grad()
@@ -65,26 +78,39 @@ def stochasticity_errors(run_dir, device):
 
 
 def table(out_dir):
+    """The results of whichever stages left them in out_dir: training and bench.json per variant,
+    then mhclite against res for each speed option."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    with open(os.path.join(out_dir, "bench.json"), encoding="utf-8") as f:
-        bench = json.load(f)
+    bench = read_json(os.path.join(out_dir, "bench.json")) or {"variants": {}}
     rows = []
     for variant in VARIANTS:
         run_dir = os.path.join(out_dir, f"train-{variant}")
-        if not os.path.isdir(run_dir):
-            continue
-        tokens, mfu = training_throughput(run_dir)
-        row_error, col_error = stochasticity_errors(run_dir, device)
+        trained = os.path.isfile(os.path.join(run_dir, "done"))
+        tokens, mfu, first_step = training_throughput(run_dir) if trained else (None, None, None)
+        row_error, col_error = stochasticity_errors(run_dir, device) if trained else (None, None)
         b = bench["variants"].get(variant, {})
+        if not trained and not b:
+            continue
         peak = b.get("cuda_peak_bytes")
-        rows.append([variant, fmt(tokens, ",.0f"), fmt(mfu, ".1%"), fmt(b.get("median_ms"), ".1f"),
+        rows.append([variant, fmt(first_step, ".1f"), fmt(tokens, ",.0f"), fmt(mfu, ".1%"), fmt(b.get("median_ms"), ".1f"),
                      fmt(b.get("time_ratio"), ".2f"), fmt(peak / 2**30 if peak else None, ".1f"),
                      fmt(b.get("cuda_peak_ratio"), ".2f"), fmt(row_error, ".1e"), fmt(col_error, ".1e")])
-    header = ["variant", "train tok/s", "train MFU", "bench ms", "x res", "peak GiB", "peak x res",
-              "max|rowsum-1|", "max|colsum-1|"]
-    print(f"{bench['device_name']}, torch {bench['torch']}; training: 20 compiled steps at M on random tokens; "
-          f"bench: {bench['command']}\n")
+    header = ["variant", "train first step s", "train tok/s", "train MFU", "bench ms", "x res", "peak GiB",
+              "peak x res", "max|rowsum-1|", "max|colsum-1|"]
+    print(f"{bench.get('device_name', device.type)}, torch {torch.__version__}; training: compiled steps on random "
+          f"tokens (the first step compiles); bench: {bench.get('command', 'not run')}\n")
     print(markdown_table(header, rows))
+    options = []
+    for name in sorted(os.listdir(out_dir)):
+        result = read_json(os.path.join(out_dir, name)) if name.startswith("bench-") and name.endswith(".json") else None
+        if result:
+            res, lite = result["variants"].get("res", {}), result["variants"].get("mhclite", {})
+            peak = lite.get("cuda_peak_bytes")
+            options.append([name[len("bench-"):-len(".json")], fmt(res.get("median_ms"), ".1f"),
+                            fmt(lite.get("median_ms"), ".1f"), fmt(lite.get("time_ratio"), ".2f"),
+                            fmt(peak / 2**30 if peak else None, ".1f")])
+    if options:
+        print(f"\n{markdown_table(['option', 'res ms', 'mhclite ms', 'mhclite x res', 'mhclite peak GiB'], options)}")
 
 
 def main(argv):

@@ -38,6 +38,21 @@ def data_dir(tmp_path_factory):
 
 
 @pytest.fixture
+def graph_counter():
+    """A torch.compile backend that runs every graph dynamo hands it as traced and counts them
+    (`.graphs`). torch._dynamo.testing has one, but importing it imports triton, which must wait
+    until test_fused_connections.py has set TRITON_INTERPRET."""
+    class GraphCounter:
+        graphs = 0
+
+        def __call__(self, graph_module, example_inputs):
+            self.graphs += 1
+            return graph_module.forward
+
+    return GraphCounter()
+
+
+@pytest.fixture
 def one_thread():
     """Tiny models run fastest on one thread, and the CPU is shared."""
     threads = torch.get_num_threads()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import bench
-from model import GPT, GPTConfig, model_shape
+from model import GPT, GPTConfig, compile_model, model_shape
 
 BLOCK, VOCAB, SEED = 16, 96, 3
 DEVICE = torch.device("cpu")
@@ -175,6 +175,37 @@ def test_timing_groups_pair_each_variant_with_its_baseline_when_all_do_not_fit()
         ["res", "hc"], ["res", "hc+recompute"], ["res", "mhc"]]
     with pytest.raises(bench.BenchError, match="do not fit"):
         bench.timing_groups(names, baselines, memory, budget=40 * GIB)
+
+
+@pytest.mark.slow
+def test_memory_probe_and_timing_share_one_compile_per_variant(monkeypatch, tmp_path, graph_counter):
+    """Every variant is compiled once: the memory probe (CUDA; here a stand-in taking the same
+    steps) and the timed rounds call the same compiled model, and the timing compiles nothing more."""
+    torch._dynamo.reset()
+    compiled, probed = [], []
+
+    def compile_spy(model, mode):
+        compiled.append(mode)
+        return compile_model(model, mode, backend=graph_counter)
+
+    def probe(variant, batches, ctx, device):
+        for x, y in batches[:2]:
+            bench.train_step(variant.runner, variant.optimizer, x, y, ctx)
+        probed.append(graph_counter.graphs)
+        return bench.state_bytes(variant.model, variant.optimizer), 1
+
+    monkeypatch.setattr(bench, "compile_model", compile_spy)
+    monkeypatch.setattr(bench, "measures_memory", lambda device: True)
+    monkeypatch.setattr(bench, "step_memory", probe)
+    out = tmp_path / "bench.json"
+    bench.main(SMALL_FLAGS + ["--residuals", "res,mhclite", "--recompute", "off", "--no-micro", "--compile", "on",
+                              "--compile_mode", "both", "--json", str(out)])
+    rows = json.loads(out.read_text())["variants"]
+    assert list(rows) == ["res", "res/blocks", "mhclite", "mhclite/blocks"]
+    assert compiled == ["model", "blocks", "model", "blocks"]
+    assert len(probed) == 4 and probed[0] > 0 and graph_counter.graphs == probed[-1]
+    assert all(row["cuda_peak_bytes"] > row["params"] * 4 for row in rows.values())
+    assert rows["mhclite/blocks"]["compile_mode"] == "blocks" and rows["mhclite/blocks"]["blocks_over_model"] > 0
 
 
 def test_bench_runs_bfloat16_streams_for_the_hc_family_only(tmp_path):

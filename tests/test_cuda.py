@@ -13,7 +13,7 @@ import torch
 
 import bench
 import fused_connections
-from model import GPT, MODEL_SIZES, GPTConfig
+from model import DEFAULT_COMPILE_MODE, GPT, MODEL_SIZES, GPTConfig, compile_model
 from residuals import RESIDUALS, capture_connections
 
 pytestmark = [pytest.mark.cuda,
@@ -21,6 +21,9 @@ pytestmark = [pytest.mark.cuda,
 
 VOCAB, BLOCK = 256, 64
 DEVICE = "cuda"
+# The options off the default path, marked so that gpu_check.sh's stages can pick them apart.
+FUSED = pytest.param(True, marks=pytest.mark.fused)
+BF16_STREAMS = pytest.param("bfloat16", marks=pytest.mark.bf16_streams)
 
 
 def tiny(residual, **overrides):
@@ -52,7 +55,7 @@ def matmul_precision(allow_tf32, precision):
         torch.set_float32_matmul_precision(saved[1])
 
 
-@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("fused", [False, FUSED])
 @pytest.mark.parametrize("allow_tf32, precision, autocast", [
     (False, "highest", False), (True, "high", False), (True, "medium", False), (True, "high", True)])
 def test_mhclite_exact_whatever_the_matmul_precision(allow_tf32, precision, autocast, fused):
@@ -67,18 +70,19 @@ def test_mhclite_exact_whatever_the_matmul_precision(allow_tf32, precision, auto
     assert (h.sum(-2) - 1).abs().max().item() < 1e-6
 
 
-@pytest.mark.parametrize("stream_dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("stream_dtype", ["float32", BF16_STREAMS])
+@pytest.mark.parametrize("fused", [False, FUSED])
 @pytest.mark.parametrize("residual", list(RESIDUALS))
 def test_compiled_matches_eager(residual, fused, stream_dtype):
-    """Inductor-compiled loss and gradients as accurate as eager's, against the fp32 model."""
+    """Inductor-compiled loss and gradients (train.py's default compile mode) as accurate as eager's,
+    against the fp32 model."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = off_init(GPT(tiny(residual, fused_connections=fused, stream_dtype=stream_dtype)).to(DEVICE))
-    runs = [(model, False), (model, True), (torch.compile(model, fullgraph=True), True)]
     losses, grads = [], []
     with matmul_precision(False, "highest"):
-        for run, autocast in runs:
+        for use_compile, autocast in [(False, False), (False, True), (True, True)]:  # blocks compile in place: eager first
+            run = compile_model(model, DEFAULT_COMPILE_MODE, fullgraph=True) if use_compile else model
             model.zero_grad(set_to_none=True)
             with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
                 _, loss = run(tokens(), tokens(seed=1))
@@ -95,6 +99,7 @@ def half_branch_with_weight(weight):
     return lambda u: torch.tanh(u) * weight
 
 
+@pytest.mark.fused
 @pytest.mark.parametrize("stream_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("residual", ["hc", "mhc", "mhclite"])
 def test_fused_kernels_match_the_reference(residual, stream_dtype):
