@@ -65,6 +65,10 @@ MIN_SINKHORN_ITERS = 4  # the Sinkhorn backward keeps four checkpoints
 BLOCK_TOKENS = 16
 BLOCK_CHANNELS = 16
 PRE_WARPS = 8
+# No software pipelining in pre_backward: with the default 3 stages it needs 255 registers and
+# spills (mhc with fp32 streams on sm_80, mhclite with bf16 streams on sm_90); with 1 it needs at
+# most 175 and spills nothing (scripts/kernel_resources.py).
+PRE_BACKWARD_STAGES = 1
 # Programs of the backward kernel, each with its own weight-sized partial of grad W: a fixed number,
 # so that the partials cost the same whatever the token count.
 WEIGHT_GRAD_PROGRAMS = 128
@@ -257,6 +261,7 @@ def connection_pre_backward(x: torch.Tensor, grad: torch.Tensor, grad_u: torch.T
         perms = perm_matrices.contiguous() if perm_matrices.numel() else weight
         _launch("pre_backward_kernel", (programs,), x.device, x, grad, grad_u, grad_h_post, weight.contiguous(),
                 scale, bias, perms, z, rms_inv, grad_x, grad_weight, grad_scale, grad_bias, tokens, x.shape[2],
+                num_stages=PRE_BACKWARD_STAGES,
                 **_variant_constexprs(variant, weight, bf16_operands, sinkhorn_iters, x.device))
     return grad_x, grad_weight.sum(0), grad_scale.sum(0).view(scale.shape), grad_bias.sum(0).view(bias.shape)
 
