@@ -446,3 +446,15 @@ def test_authors_settings_are_saved_and_a_drawn_init_stream_resumes(data_dir, tm
     proc = run_cli(tiny_args(data_dir, old, max_iters=4, init_from="resume", final_norm="per_stream"))
     assert proc.returncode == 2
     assert_one_error_line(proc.stderr, "final_norm: checkpoint 'after_sum' vs run 'per_stream'")
+
+
+def test_sweep_authors_option_adds_the_config_and_its_own_run_directories(tmp_path):
+    script = os.path.join(REPO_DIR, "scripts", "sweep_table1.sh")
+    proc = subprocess.run(["bash", script, "--out_root", str(tmp_path), "--dry_run", "--authors", "--sizes", "S",
+                           "--datasets", "openwebtext"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    commands = proc.stdout.strip().splitlines()
+    assert len(commands) == 4
+    for residual, command in zip(("res", "hc", "mhc", "mhclite"), commands):
+        assert f"configs/{residual}.py configs/authors.py --seed=1337" in command
+        assert f"--out_dir={tmp_path}/openwebtext-S-{residual}-authors-s1337" in command.split()
