@@ -3,8 +3,9 @@
 The residual state is (B, T, n, C): the embedding is copied into n streams, every attention and
 every MLP sublayer is wrapped by its own connection from residuals.py (2L wrappers), and the
 streams are summed before the final LayerNorm and the tied LM head. With residual="res" (n = 1)
-this is exactly nanoGPT. The settings listed in AUTHORS_SETTINGS switch to what the authors' code
-computes instead (configs/authors.py, docs/faithfulness.md).
+this is exactly nanoGPT. The settings final_norm, rms_eps, sinkhorn_order, init_stream,
+connection_weight_decay, h_res_dtype and mixing_dtype default to the paper as written; the other
+value of each is what the authors' code computes (configs/authors.py, docs/faithfulness.md).
 """
 
 import math
@@ -36,16 +37,6 @@ STREAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 FINAL_NORMS = ("after_sum", "per_stream")
 INIT_STREAMS = ("wrapper_mod_n", "drawn")
 CONNECTION_WEIGHT_DECAYS = ("projections", "authors")
-# The settings where the authors' code differs from the paper as written: (ours, theirs).
-AUTHORS_SETTINGS = {
-    "final_norm": ("after_sum", "per_stream"),
-    "rms_eps": (RMS_EPS, 0.0),
-    "sinkhorn_order": ("cols_then_rows", "rows_then_cols"),
-    "init_stream": ("wrapper_mod_n", "drawn"),
-    "connection_weight_decay": ("projections", "authors"),
-    "h_res_dtype": ("float32", "autocast"),
-    "mixing_dtype": ("float32", "autocast"),
-}
 
 
 @dataclass
@@ -66,7 +57,7 @@ class GPTConfig:
     recompute_connections: bool = False
     stream_dtype: str = "float32"  # storage of the HC family's n streams: float32 or bfloat16
     fused_connections: bool = False  # Triton kernels for the HC family on CUDA; opt-in until measured on a GPU
-    # Paper as written (defaults) or as the authors' code runs it (AUTHORS_SETTINGS):
+    # The paper as written (defaults) or as the authors' code runs it (the other value):
     final_norm: str = "after_sum"  # final LayerNorm after the stream sum, or on each stream then the sum
     rms_eps: float = RMS_EPS  # inside the connections' RMS root; 0 = F.normalize (the authors')
     sinkhorn_order: str = "cols_then_rows"  # mhc: rows exact; "rows_then_cols": columns exact
@@ -95,7 +86,8 @@ class GPTConfig:
         if self.rms_eps < 0:
             raise ValueError(f"rms_eps must be >= 0, got {self.rms_eps}")
         kernel_settings = ("rms_eps", "sinkhorn_order", "h_res_dtype", "mixing_dtype")
-        if self.fused_connections and any(getattr(self, k) != AUTHORS_SETTINGS[k][0] for k in kernel_settings):
+        if self.fused_connections and any(getattr(self, k) != self.__dataclass_fields__[k].default
+                                          for k in kernel_settings):
             raise ValueError(f"fused_connections implements the default {', '.join(kernel_settings)} only")
 
 
