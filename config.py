@@ -17,8 +17,9 @@ import re
 import typing
 from dataclasses import dataclass, fields
 
-from model import COMPILE_MODES, DEFAULT_COMPILE_MODE, MODEL_SIZES
-from residuals import RESIDUALS
+from model import (COMPILE_MODES, CONNECTION_WEIGHT_DECAYS, DEFAULT_COMPILE_MODE, FINAL_NORMS, INIT_STREAMS,
+                   MODEL_SIZES)
+from residuals import H_RES_DTYPES, MIXING_DTYPES, RESIDUALS, RMS_EPS, SINKHORN_ORDERS
 
 REPO_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -34,6 +35,12 @@ CHOICES = {
     "compile": ("auto", "true", "false"),
     "compile_mode": COMPILE_MODES,
     "stream_dtype": ("float32", "bfloat16"),
+    "final_norm": FINAL_NORMS,
+    "sinkhorn_order": SINKHORN_ORDERS,
+    "init_stream": INIT_STREAMS,
+    "connection_weight_decay": CONNECTION_WEIGHT_DECAYS,
+    "h_res_dtype": H_RES_DTYPES,
+    "mixing_dtype": MIXING_DTYPES,
 }
 
 
@@ -43,6 +50,7 @@ RANGES = (
     ("n_streams", lambda v: v >= 1, ">= 1"),
     ("mhclite_perms", lambda v: v >= 1, ">= 1 (or None: all n! permutations)"),
     ("sinkhorn_iters", lambda v: v >= 1, ">= 1"),
+    ("rms_eps", lambda v: v >= 0, ">= 0 (0: the authors' F.normalize)"),
     ("block_size", lambda v: v >= 1, ">= 1"),
     ("dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("n_layer", lambda v: v >= 1, ">= 1"),
@@ -90,6 +98,14 @@ class TrainConfig:
     recompute_connections: bool = False
     stream_dtype: str = "float32"  # the HC family's n streams stored in float32 or bfloat16
     fused_connections: bool = False  # Triton kernels for the HC family on CUDA; opt-in until measured on a GPU
+    # the paper as written (defaults) or as the authors' code ran it (configs/authors.py, docs/faithfulness.md)
+    final_norm: str = "after_sum"  # final LayerNorm after the stream sum, or "per_stream": on each, then the sum
+    rms_eps: float = RMS_EPS  # inside the connections' RMS root; 0: F.normalize, the authors'
+    sinkhorn_order: str = "cols_then_rows"  # mhc: rows exact; "rows_then_cols" (the authors'): columns exact
+    init_stream: str = "wrapper_mod_n"  # the stream a wrapper reads at init; "drawn": seeded with `seed`
+    connection_weight_decay: str = "projections"  # or "authors": every >= 2-D parameter in their layout
+    h_res_dtype: str = "float32"  # mhclite; "autocast": the permutations combined in bf16 under autocast
+    mixing_dtype: str = "float32"  # "autocast": u and h_res x with bf16 operands and result under autocast
     n_layer: typing.Optional[int] = None  # shape overrides of the size preset
     n_head: typing.Optional[int] = None
     n_embd: typing.Optional[int] = None

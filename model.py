@@ -3,7 +3,9 @@
 The residual state is (B, T, n, C): the embedding is copied into n streams, every attention and
 every MLP sublayer is wrapped by its own connection from residuals.py (2L wrappers), and the
 streams are summed before the final LayerNorm and the tied LM head. With residual="res" (n = 1)
-this is exactly nanoGPT.
+this is exactly nanoGPT. The settings final_norm, rms_eps, sinkhorn_order, init_stream,
+connection_weight_decay, h_res_dtype and mixing_dtype default to the paper as written; the other
+value of each is what the authors' code computes (configs/authors.py, docs/faithfulness.md).
 """
 
 import math
@@ -14,7 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fused_connections
-from residuals import RESIDUALS, expand_streams, reduce_streams
+from residuals import (H_RES_DTYPES, MIXING_DTYPES, RESIDUALS, RMS_EPS, SINKHORN_ORDERS, at_least_fp32,
+                       expand_streams, reduce_streams)
 
 MODEL_SIZES = {
     "tiny": dict(n_layer=4, n_head=4, n_embd=128),  # ours: a CPU demo and test model
@@ -51,6 +54,11 @@ def compile_model(model, mode, **options):
     return model
 
 
+FINAL_NORMS = ("after_sum", "per_stream")
+INIT_STREAMS = ("wrapper_mod_n", "drawn")
+CONNECTION_WEIGHT_DECAYS = ("projections", "authors")
+
+
 @dataclass
 class GPTConfig:
     block_size: int = 1024
@@ -69,6 +77,15 @@ class GPTConfig:
     recompute_connections: bool = False
     stream_dtype: str = "float32"  # storage of the HC family's n streams: float32 or bfloat16
     fused_connections: bool = False  # Triton kernels for the HC family on CUDA; opt-in until measured on a GPU
+    # The paper as written (defaults) or as the authors' code runs it (the other value):
+    final_norm: str = "after_sum"  # final LayerNorm after the stream sum, or on each stream then the sum
+    rms_eps: float = RMS_EPS  # inside the connections' RMS root; 0 = F.normalize (the authors')
+    sinkhorn_order: str = "cols_then_rows"  # mhc: rows exact; "rows_then_cols": columns exact
+    init_stream: str = "wrapper_mod_n"  # the stream each wrapper reads at init, or "drawn" with init_stream_seed
+    init_stream_seed: int = 0
+    connection_weight_decay: str = "projections"  # or "authors": every >= 2-D parameter in their layout
+    h_res_dtype: str = "float32"  # mhclite: "autocast" combines the permutations in bf16 under autocast
+    mixing_dtype: str = "float32"  # "autocast": the stream mixing's operands and result in bf16 under autocast
 
     def __post_init__(self):
         if self.residual not in RESIDUALS:
@@ -81,16 +98,52 @@ class GPTConfig:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         if self.stream_dtype not in STREAM_DTYPES:
             raise ValueError(f"unknown stream_dtype '{self.stream_dtype}'; valid: {', '.join(STREAM_DTYPES)}")
+        for key, choices in (("final_norm", FINAL_NORMS), ("sinkhorn_order", SINKHORN_ORDERS),
+                             ("init_stream", INIT_STREAMS), ("connection_weight_decay", CONNECTION_WEIGHT_DECAYS),
+                             ("h_res_dtype", H_RES_DTYPES), ("mixing_dtype", MIXING_DTYPES)):
+            if getattr(self, key) not in choices:
+                raise ValueError(f"unknown {key} '{getattr(self, key)}'; valid: {', '.join(choices)}")
+        if self.rms_eps < 0:
+            raise ValueError(f"rms_eps must be >= 0, got {self.rms_eps}")
+        kernel_settings = ("rms_eps", "sinkhorn_order", "h_res_dtype", "mixing_dtype")
+        if self.fused_connections and any(getattr(self, k) != self.__dataclass_fields__[k].default
+                                          for k in kernel_settings):
+            raise ValueError(f"fused_connections implements the default {', '.join(kernel_settings)} only")
 
 
 def connection_options(config: GPTConfig) -> dict:
     """The variant-specific constructor arguments of the connection modules."""
+    options = {} if config.residual == "res" else dict(rms_eps=config.rms_eps, mixing_dtype=config.mixing_dtype)
     if config.residual == "mhc":
-        return dict(sinkhorn_iters=config.sinkhorn_iters)
+        options.update(sinkhorn_iters=config.sinkhorn_iters, sinkhorn_order=config.sinkhorn_order)
     if config.residual == "mhclite":
-        return dict(num_perms=config.mhclite_perms, perm_sampling=config.mhclite_perm_sampling,
-                    perm_seed=config.perm_seed)
-    return {}
+        options.update(num_perms=config.mhclite_perms, perm_sampling=config.mhclite_perm_sampling,
+                       perm_seed=config.perm_seed, h_res_dtype=config.h_res_dtype)
+    return options
+
+
+def init_streams(config: GPTConfig) -> list[int | None]:
+    """The stream each of the 2L wrappers reads at init: None (wrapper index mod n), or drawn as the
+    authors' code does (randrange, unseeded there) from a generator seeded with init_stream_seed,
+    so that a run and its resume draw the same streams."""
+    n_wrappers = 2 * config.n_layer
+    if config.init_stream == "wrapper_mod_n" or config.residual == "res":
+        return [None] * n_wrappers
+    generator = torch.Generator().manual_seed(config.init_stream_seed)
+    return torch.randint(config.n_streams, (n_wrappers,), generator=generator).tolist()
+
+
+def authors_decayed(connection) -> list:
+    """What the authors' optimizer decays of one connection: every parameter with two or more
+    dimensions in their layout (hyper_conn/*.py), as (parameter, rows) pairs, rows None for all."""
+    n = connection.n_streams
+    if connection.name == "hc":  # static_alpha and dynamic_alpha_fn (W_a); dynamic_beta_fn (W_b) is 1-D there
+        return [(connection.static_alpha, None), (connection.proj.weight, slice(0, n + 1))]
+    if connection.name == "mhc":  # dynamic_alpha_fn, dynamic_beta_fn and static_alpha = [b_pre | b_res] (n, 1 + n)
+        return [(connection.proj.weight, None), (connection.bias_pre, None), (connection.bias_res, None)]
+    if connection.name == "mhclite":  # its static_alpha is 1-D: the projections only, as ours
+        return [(connection.proj.weight, None)]
+    return []
 
 
 class CausalSelfAttention(nn.Module):
@@ -125,7 +178,7 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """A pre-norm transformer block; each sublayer is wrapped by its own connection."""
 
-    def __init__(self, config, layer_index):
+    def __init__(self, config, layer_index, stream_indices=(None, None)):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config)
@@ -133,8 +186,10 @@ class Block(nn.Module):
         self.mlp = MLP(config)
         connection = RESIDUALS[config.residual]
         options = dict(recompute=config.recompute_connections, **connection_options(config))
-        self.attn_connection = connection(config.n_embd, config.n_streams, 2 * layer_index, **options)
-        self.mlp_connection = connection(config.n_embd, config.n_streams, 2 * layer_index + 1, **options)
+        attn_stream, mlp_stream = ({} if index is None else dict(stream_index=index) for index in stream_indices)
+        self.attn_connection = connection(config.n_embd, config.n_streams, 2 * layer_index, **options, **attn_stream)
+        self.mlp_connection = connection(config.n_embd, config.n_streams, 2 * layer_index + 1, **options,
+                                         **mlp_stream)
         self.fused_connections = config.fused_connections
 
     def attn_branch(self, x):
@@ -159,11 +214,12 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
+        streams = init_streams(config)
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
             drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
+            h=nn.ModuleList([Block(config, i, streams[2 * i: 2 * i + 2]) for i in range(config.n_layer)]),
             ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
@@ -194,7 +250,8 @@ class GPT(nn.Module):
         pos = torch.arange(0, T, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         x = expand_streams(x, self.config.n_streams)
-        if self.config.residual != "res":  # res keeps nanoGPT's fp32 residual stream
+        # res keeps nanoGPT's fp32 residual stream; a float64 model (numerical checks) keeps float64 streams
+        if self.config.residual != "res" and x.dtype != torch.float64:
             x = x.to(STREAM_DTYPES[self.config.stream_dtype])
         for block in self.transformer.h:
             x = block(x)
@@ -202,7 +259,10 @@ class GPT(nn.Module):
 
     def head(self, x, targets):
         """The streams summed, the final LayerNorm, the LM head and the loss: (logits, loss)."""
-        x = self.transformer.ln_f(reduce_streams(x))
+        if self.config.final_norm == "per_stream":  # the authors' code: LayerNorm of each stream, then the sum
+            x = self.transformer.ln_f(at_least_fp32(x)).sum(dim=-2)
+        else:
+            x = self.transformer.ln_f(reduce_streams(x))
         if targets is None:
             return self.lm_head(x[:, [-1], :]), None
         logits = self.lm_head(x)
@@ -225,13 +285,34 @@ class GPT(nn.Module):
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         """AdamW that decays only the 2-D projection weights (Linear and Embedding weights,
         connection projections included); biases, scales, static HC matrices and norm gains
-        are never decayed (SPEC section 2)."""
+        are never decayed (SPEC section 2). With connection_weight_decay="authors" the
+        connections' decay follows authors_decayed(); rows of a tensor decayed in part (hc's W_a in
+        its fused projection) get AdamW's decoupled decay from a step pre-hook, which is the same
+        update as being in the decayed group, since AdamW decays before its Adam step."""
         decay_ids = {id(m.weight) for m in self.modules() if isinstance(m, (nn.Linear, nn.Embedding))}
+        decayed_rows = []
+        if self.config.connection_weight_decay == "authors":
+            for connection in self.connections():
+                decay_ids.discard(id(connection.proj.weight))
+                for param, rows in authors_decayed(connection):
+                    if rows is None:
+                        decay_ids.add(id(param))
+                    else:
+                        decayed_rows.append((param, rows))
         params = list(dict.fromkeys(p for p in self.parameters() if p.requires_grad))
         decay = [p for p in params if id(p) in decay_ids]
         no_decay = [p for p in params if id(p) not in decay_ids]
         groups = [dict(params=decay, weight_decay=weight_decay), dict(params=no_decay, weight_decay=0.0)]
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == "cuda")
+        optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == "cuda")
+        if decayed_rows:
+            @torch.no_grad()
+            def decay_rows(optimizer, args, kwargs):
+                factor = 1 - optimizer.param_groups[0]["lr"] * weight_decay
+                for param, rows in decayed_rows:
+                    if param.grad is not None:  # AdamW skips a parameter without a gradient
+                        param[rows].mul_(factor)
+            optimizer.register_step_pre_hook(decay_rows)
+        return optimizer
 
     def flops_per_token(self) -> int:
         """Training FLOPs per token (forward + backward = 3x forward): 6N for the weights

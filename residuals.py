@@ -21,6 +21,11 @@ matmul, so its h_res is doubly stochastic to fp32 rounding whatever the float32 
 (TF32 or not). The mixing computes in fp32 and the output keeps the dtype of x: streams stored in
 float32 (nanoGPT's residual stream) or bfloat16 (the model's `stream_dtype`).
 
+Four options reproduce the authors' training code (docs/faithfulness.md) where it differs from the
+paper as written; the defaults are the paper's: `rms_eps` (1e-6 inside the root; 0 gives their
+F.normalize), `mixing_dtype`, `sinkhorn_order` (mhc) and `h_res_dtype` (mhclite). `stream_index`
+(the stream a wrapper reads at init) defaults to wrapper_index mod n.
+
 This file depends on torch only, so it can be copied into other models. fused_connections.py holds
 Triton kernels for the same computation, tested against this file.
 """
@@ -35,6 +40,11 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 RMS_EPS = 1e-6
+# F.normalize's floor on the L2 norm; as a floor on mean(x^2) it is this squared over the width.
+NORMALIZE_NORM_FLOOR = 1e-12
+SINKHORN_ORDERS = ("cols_then_rows", "rows_then_cols")
+H_RES_DTYPES = ("float32", "autocast")
+MIXING_DTYPES = ("float32", "autocast")
 
 # ----------------------------------------------------------------------------------------------
 # Building blocks
@@ -45,19 +55,24 @@ def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float64 else x.float()
 
 
-def sinkhorn(logits: torch.Tensor, iters: int = 20) -> torch.Tensor:
+def sinkhorn(logits: torch.Tensor, iters: int = 20, order: str = "cols_then_rows") -> torch.Tensor:
     """Sinkhorn-Knopp on exp(logits) over the last two dims, computed in log space.
 
-    Each iteration normalises every column to sum 1, then every row, so after any number of
-    iterations the rows are exact and the column sums carry the approximation error.
+    With order "cols_then_rows" (the paper's worked example) each iteration normalises every
+    column to sum 1, then every row, so after any number of iterations the rows are exact and the
+    column sums carry the approximation error. "rows_then_cols" is the authors' code (which runs
+    cols-then-rows on the transposed matrix): the columns are exact.
     Runs in fp32 (or float64 when given float64) and returns that dtype. It is deliberately not
     a torch.compiler.nested_compile_region: with torch 2.13's inductor that halves mhc's cold
     compile but returns wrong gradients (tests/test_model.py checks inductor against eager).
     """
+    if order not in SINKHORN_ORDERS:
+        raise ValueError(f"unknown sinkhorn_order '{order}'; valid: {', '.join(SINKHORN_ORDERS)}")
+    first, second = (-2, -1) if order == "cols_then_rows" else (-1, -2)
     log_p = at_least_fp32(logits)
     for _ in range(iters):
-        log_p = log_p - torch.logsumexp(log_p, dim=-2, keepdim=True)
-        log_p = log_p - torch.logsumexp(log_p, dim=-1, keepdim=True)
+        log_p = log_p - torch.logsumexp(log_p, dim=first, keepdim=True)
+        log_p = log_p - torch.logsumexp(log_p, dim=second, keepdim=True)
     return log_p.exp()
 
 
@@ -199,19 +214,33 @@ class StreamConnection(nn.Module):
     """Shared part of hc, mhc and mhclite: the projection, the pre-aggregation and the mixing.
 
     Subclasses define a projection `proj` with its norm gain `norm_gain`, `projection_rows(x)` (the
-    rows that are RMS-normalised and projected) and `coefficients_from_projection(p) -> dict` with fp32 "h_pre" (B, T, n), "h_post" (B, T, n),
-    "h_res" (B, T, n, n) and any extra entries worth recording for analysis.
+    rows that are RMS-normalised and projected) and `coefficients_from_projection(p, matmul_dtype)
+    -> dict` with fp32 "h_pre" (B, T, n), "h_post" (B, T, n), "h_res" (B, T, n, n) and any extra
+    entries worth recording for analysis. The RMS factor is rsqrt(mean(x^2) + rms_eps); rms_eps=0
+    is the authors' F.normalize (x / max(||x||, 1e-12) * sqrt(D)). mixing_dtype="autocast" mixes as
+    the authors' einsum does under autocast: h_pre, h_res and x rounded to the autocast dtype, the
+    sums in fp32, u and h_res x rounded to it; the post add stays fp32 (their einsum there is a
+    product without a sum, which autocast leaves in fp32), so the streams keep their dtype.
     """
 
     name = ""
 
-    def __init__(self, width: int, n_streams: int, wrapper_index: int, recompute: bool = False):
+    def __init__(self, width: int, n_streams: int, wrapper_index: int, recompute: bool = False,
+                 rms_eps: float = RMS_EPS, stream_index: int | None = None, mixing_dtype: str = "float32"):
         super().__init__()
         if n_streams < 1:
             raise ValueError(f"n_streams must be >= 1, got {n_streams}")
+        if rms_eps < 0:
+            raise ValueError(f"rms_eps must be >= 0, got {rms_eps}")
+        if mixing_dtype not in MIXING_DTYPES:
+            raise ValueError(f"unknown mixing_dtype '{mixing_dtype}'; valid: {', '.join(MIXING_DTYPES)}")
         self.width, self.n_streams, self.wrapper_index = width, n_streams, wrapper_index
-        self.stream_index = wrapper_index % n_streams  # the stream this wrapper reads at init
+        # the stream this wrapper reads at init
+        self.stream_index = wrapper_index % n_streams if stream_index is None else stream_index
+        if not 0 <= self.stream_index < n_streams:
+            raise ValueError(f"stream_index must be in 0..{n_streams - 1}, got {self.stream_index}")
         self.recompute = recompute
+        self.rms_eps, self.mixing_dtype = rms_eps, mixing_dtype
 
     def projection_weight(self):
         """The projection with the RMSNorm gain folded in (every subclass has `proj` and `norm_gain`)."""
@@ -219,8 +248,8 @@ class StreamConnection(nn.Module):
 
     def coefficients(self, x, matmul_dtype=None):
         """The coefficients of x (fp32); the projection GEMM in matmul_dtype when given."""
-        p = _RMSProjection.apply(self.projection_rows(x), self.projection_weight(), matmul_dtype)
-        return self.coefficients_from_projection(p)
+        p = _RMSProjection.apply(self.projection_rows(x), self.projection_weight(), matmul_dtype, self.rms_eps)
+        return self.coefficients_from_projection(p, matmul_dtype)
 
     def _pre(self, x):
         """The coefficients, the branch input u and the mixed streams h_res x (all fp32)."""
@@ -230,7 +259,12 @@ class StreamConnection(nn.Module):
             coeffs = self.coefficients(x, matmul_dtype)
             # One pass over x for both: row 0 of the product is u, rows 1..n are h_res x.
             mixer = torch.cat([coeffs["h_pre"].unsqueeze(-2), coeffs["h_res"]], dim=-2)  # (B, T, n+1, n)
-            branch_input, mixed = mix_streams(mixer, x).split([1, self.n_streams], dim=-2)
+            if self.mixing_dtype == "autocast" and matmul_dtype is not None:
+                rounded = mix_streams(mixer.to(matmul_dtype).float(), x.to(matmul_dtype).float())
+                products = rounded.to(matmul_dtype).float()
+            else:
+                products = mix_streams(mixer, x)
+            branch_input, mixed = products.split([1, self.n_streams], dim=-2)
         # A copy of u, so that the branch (which saves its input) does not keep the whole product alive.
         return coeffs, branch_input.squeeze(-2).contiguous(), mixed
 
@@ -260,7 +294,10 @@ def record_coefficients(module, coeffs):
 
 
 class _RMSProjection(torch.autograd.Function):
-    """(x @ w.T) * rsqrt(mean(x^2) + eps) over the last dim, with a hand-written backward.
+    """(x @ w.T) * rsqrt(max(mean(x^2) + eps, floor)) over the last dim, with a hand-written backward.
+
+    The floor, (1e-12)^2 / D, is F.normalize's: it only binds for eps = 0 and an all-zero row,
+    where it keeps the result 0 instead of NaN.
 
     This is RMSNorm(x; gain) @ weight.T with the gain folded into w = weight * gain. The normalised
     copy of x is never materialised, and the backward makes one matmul and one fused multiply-add
@@ -271,9 +308,9 @@ class _RMSProjection(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, w, matmul_dtype):
+    def forward(ctx, x, w, matmul_dtype, eps=RMS_EPS):
         mean_square = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() / x.shape[-1]
-        rms_inv = torch.rsqrt(mean_square + RMS_EPS)
+        rms_inv = torch.rsqrt((mean_square + eps).clamp_min(NORMALIZE_NORM_FLOOR**2 / x.shape[-1]))
         z = _matmul(x, w.t(), matmul_dtype, x.dtype)
         ctx.matmul_dtype = matmul_dtype
         ctx.save_for_backward(x, w, z, rms_inv)
@@ -288,7 +325,7 @@ class _RMSProjection(torch.autograd.Function):
         grad_rms_inv = (grad_y * z).sum(-1, keepdim=True)
         grad_x = torch.addcmul(_matmul(grad_z, w, ctx.matmul_dtype, x.dtype), x,
                                grad_rms_inv * rms_inv.pow(3) / -x.shape[-1])
-        return grad_x, grad_w, None
+        return grad_x, grad_w, None, None
 
 
 def _matmul(a, b, operand_dtype, out_dtype):
@@ -310,8 +347,9 @@ class HyperConnection(StreamConnection):
 
     name = "hc"
 
-    def __init__(self, width, n_streams, wrapper_index, recompute=False):
-        super().__init__(width, n_streams, wrapper_index, recompute)
+    def __init__(self, width, n_streams, wrapper_index, recompute=False, rms_eps=RMS_EPS, stream_index=None,
+                 mixing_dtype="float32"):
+        super().__init__(width, n_streams, wrapper_index, recompute, rms_eps, stream_index, mixing_dtype)
         n = n_streams
         self.norm_gain = nn.Parameter(torch.ones(width))
         self.proj = nn.Linear(width, n + 2, bias=False)  # [W_a | W_b] fused
@@ -336,7 +374,7 @@ class HyperConnection(StreamConnection):
     def projection_rows(self, x):
         return x  # every stream normalised and projected on its own: (B, T, n, C)
 
-    def coefficients_from_projection(self, p):
+    def coefficients_from_projection(self, p, matmul_dtype=None):
         n = self.n_streams
         p = torch.tanh(p)  # (B, T, n, n+2)
         alpha = self.static_alpha + self.scale_alpha * p[..., : n + 1]
@@ -348,8 +386,9 @@ class ManifoldConnectionBase(StreamConnection):
     """Shared part of mhc and mhclite (SPEC section 2): one RMSNorm over all n*C entries and one
     fused projection [W_pre | W_post | W_res]; subclasses turn the res logits into h_res."""
 
-    def __init__(self, width, n_streams, wrapper_index, recompute=False, res_logits=0):
-        super().__init__(width, n_streams, wrapper_index, recompute)
+    def __init__(self, width, n_streams, wrapper_index, recompute=False, rms_eps=RMS_EPS, stream_index=None,
+                 mixing_dtype="float32", res_logits=0):
+        super().__init__(width, n_streams, wrapper_index, recompute, rms_eps, stream_index, mixing_dtype)
         n = n_streams
         self.res_logits = res_logits
         self.norm_gain = nn.Parameter(torch.ones(n * width))
@@ -374,23 +413,27 @@ class ManifoldConnectionBase(StreamConnection):
     def projection_rows(self, x):
         return x.flatten(-2)  # one RMSNorm over all n*C entries: (B, T, n*C)
 
-    def coefficients_from_projection(self, p):
+    def coefficients_from_projection(self, p, matmul_dtype=None):
         n = self.n_streams
         pre, post, res = p.split([n, n, self.res_logits], dim=-1)
-        coeffs = self.residual_matrix(self.scale_res * res + self.bias_res)
+        coeffs = self.residual_matrix(self.scale_res * res + self.bias_res, matmul_dtype)
         coeffs["h_pre"] = torch.sigmoid(self.scale_pre * pre + self.bias_pre)
         coeffs["h_post"] = 2 * torch.sigmoid(self.scale_post * post + self.bias_post)
         return coeffs
 
 
 class ManifoldHyperConnection(ManifoldConnectionBase):
-    """mhc: h_res = Sinkhorn-Knopp(exp(mat(logits))) with a fixed number of iterations."""
+    """mhc: h_res = Sinkhorn-Knopp(exp(mat(logits))) with a fixed number of iterations and order."""
 
     name = "mhc"
 
-    def __init__(self, width, n_streams, wrapper_index, recompute=False, sinkhorn_iters: int = 20):
-        super().__init__(width, n_streams, wrapper_index, recompute, res_logits=n_streams * n_streams)
-        self.sinkhorn_iters = sinkhorn_iters
+    def __init__(self, width, n_streams, wrapper_index, recompute=False, rms_eps=RMS_EPS, stream_index=None,
+                 mixing_dtype="float32", sinkhorn_iters: int = 20, sinkhorn_order: str = "cols_then_rows"):
+        super().__init__(width, n_streams, wrapper_index, recompute, rms_eps, stream_index, mixing_dtype,
+                         res_logits=n_streams * n_streams)
+        if sinkhorn_order not in SINKHORN_ORDERS:
+            raise ValueError(f"unknown sinkhorn_order '{sinkhorn_order}'; valid: {', '.join(SINKHORN_ORDERS)}")
+        self.sinkhorn_iters, self.sinkhorn_order = sinkhorn_iters, sinkhorn_order
         self.reset_parameters()
 
     @torch.no_grad()
@@ -399,9 +442,9 @@ class ManifoldHyperConnection(ManifoldConnectionBase):
         n = self.n_streams
         self.bias_res.copy_(torch.full((n, n), -8.0).fill_diagonal_(0.0).flatten())
 
-    def residual_matrix(self, logits):
+    def residual_matrix(self, logits, matmul_dtype=None):
         logits = logits.unflatten(-1, (self.n_streams, self.n_streams))
-        return {"h_res": sinkhorn(logits, self.sinkhorn_iters), "logits": logits}
+        return {"h_res": sinkhorn(logits, self.sinkhorn_iters, self.sinkhorn_order), "logits": logits}
 
 
 class ManifoldHyperConnectionLite(ManifoldConnectionBase):
@@ -409,15 +452,22 @@ class ManifoldHyperConnectionLite(ManifoldConnectionBase):
 
     Exactly doubly stochastic by construction (Birkhoff-von Neumann): every P_k is, and the
     weights are a convex combination. All n! permutations by default (n <= 5), else a seeded
-    subset of `num_perms` that always includes the identity.
+    subset of `num_perms` that always includes the identity. h_res_dtype="autocast" combines them
+    as the authors' einsum does under autocast: a matmul in the autocast dtype, whose bf16 result
+    is doubly stochastic only to bf16 rounding.
     """
 
     name = "mhclite"
 
-    def __init__(self, width, n_streams, wrapper_index, recompute=False, num_perms: int | None = None,
-                 perm_sampling: str = "uniform", perm_seed: int = 0):
+    def __init__(self, width, n_streams, wrapper_index, recompute=False, rms_eps=RMS_EPS, stream_index=None,
+                 mixing_dtype="float32", num_perms: int | None = None, perm_sampling: str = "uniform",
+                 perm_seed: int = 0, h_res_dtype: str = "float32"):
+        if h_res_dtype not in H_RES_DTYPES:
+            raise ValueError(f"unknown h_res_dtype '{h_res_dtype}'; valid: {', '.join(H_RES_DTYPES)}")
         perms = permutations(n_streams, num_perms, perm_seed, perm_sampling)
-        super().__init__(width, n_streams, wrapper_index, recompute, res_logits=len(perms))
+        super().__init__(width, n_streams, wrapper_index, recompute, rms_eps, stream_index, mixing_dtype,
+                         res_logits=len(perms))
+        self.h_res_dtype = h_res_dtype
         # The index set is saved with the weights, so a loaded model uses the permutations its
         # W_res columns were trained for; the 0/1 matrix is derived from it and not saved.
         self.register_buffer("perms", perms)
@@ -431,11 +481,14 @@ class ManifoldHyperConnectionLite(ManifoldConnectionBase):
         self.bias_res.fill_(-8.0)
         self.bias_res[0] = 0.0  # the identity permutation comes first
 
-    def residual_matrix(self, logits):
+    def residual_matrix(self, logits, matmul_dtype=None):
         weights = torch.softmax(logits, dim=-1)
-        # Exact 0/1 products and fp32 sums; a matmul here would round the weights under TF32.
-        h_res = (weights.unsqueeze(-1) * self.perm_matrices).sum(-2).unflatten(-1, (self.n_streams, self.n_streams))
-        return {"h_res": h_res, "perm_weights": weights}
+        if self.h_res_dtype == "autocast" and matmul_dtype is not None:
+            h_res = _matmul(weights, self.perm_matrices, matmul_dtype, matmul_dtype).to(weights.dtype)
+        else:
+            # Exact 0/1 products and fp32 sums; a matmul here would round the weights under TF32.
+            h_res = (weights.unsqueeze(-1) * self.perm_matrices).sum(-2)
+        return {"h_res": h_res.unflatten(-1, (self.n_streams, self.n_streams)), "perm_weights": weights}
 
 
 @torch.no_grad()

@@ -367,7 +367,11 @@ def build_model_config(cfg, vocab_size):
                      residual=cfg.residual, n_streams=cfg.n_streams, mhclite_perms=cfg.mhclite_perms,
                      mhclite_perm_sampling=cfg.mhclite_perm_sampling, perm_seed=cfg.perm_seed,
                      sinkhorn_iters=cfg.sinkhorn_iters, recompute_connections=cfg.recompute_connections,
-                     stream_dtype=cfg.stream_dtype, fused_connections=cfg.fused_connections, **shape)
+                     stream_dtype=cfg.stream_dtype, fused_connections=cfg.fused_connections,
+                     final_norm=cfg.final_norm, rms_eps=cfg.rms_eps, sinkhorn_order=cfg.sinkhorn_order,
+                     init_stream=cfg.init_stream, init_stream_seed=cfg.seed if cfg.init_stream == "drawn" else 0,
+                     connection_weight_decay=cfg.connection_weight_decay, h_res_dtype=cfg.h_res_dtype,
+                     mixing_dtype=cfg.mixing_dtype, **shape)
 
 
 def import_wandb():

@@ -1,5 +1,7 @@
 """Shared helpers for the analysis scripts: reading run directories and collected npz files,
 grouping runs, moving statistics, display names."""
+import ast
+import functools
 import glob
 import json
 import os
@@ -18,10 +20,21 @@ SIZE_ORDER = ("tiny", "S", "M", "L")
 TRAIN_KEYS = ("step", "train_loss", "lr", "grad_norm", "tokens_per_s", "step_ms")
 EVAL_KEYS = ("step", "eval_train_loss", "val_loss")
 FIRST_STEP_KEYS = ("step", "first_step_s")
+AUTHORS_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "authors.py")
+SETTINGS_LABELS = ("paper", "authors", "mixed")
 
 
 class AnalysisError(Exception):
     """Bad input (missing run, wrong variant, malformed file); the scripts print it as one line."""
+
+
+@functools.cache
+def authors_settings():
+    """{key: value} of configs/authors.py, the settings where the authors' code differs from the
+    paper as written (plain `key = literal` lines, read without importing the model)."""
+    with open(AUTHORS_CONFIG, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    return {node.targets[0].id: ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)}
 
 
 def dataset_name(dataset):
@@ -72,6 +85,19 @@ class Run:
     @property
     def group(self):
         return (self.config["dataset"], self.config["size"])
+
+    @property
+    def settings(self):
+        """"paper" (none of configs/authors.py's values; a key missing from an older config.json
+        is the paper's default), "authors" (all of them) or "mixed"."""
+        theirs = [self.config.get(key) == value for key, value in authors_settings().items()]
+        return "authors" if all(theirs) else "mixed" if any(theirs) else "paper"
+
+    @property
+    def label(self):
+        """The variant's name, with the settings unless they are the paper's: "mHC-lite (authors)"."""
+        name = VARIANT_NAMES[self.residual]
+        return name if self.settings == "paper" else f"{name} ({self.settings})"
 
 
 def latest_trajectory(records):
@@ -142,7 +168,7 @@ def is_run_dir(path):
 
 
 def default_cell(run):
-    return (*run.group, run.residual, run.seed)
+    return (*run.group, run.residual, run.settings, run.seed)
 
 
 def find_runs(paths, exclude=None, cell_of=default_cell):

@@ -1,6 +1,8 @@
 """Table 1 of the paper from run directories: final train loss (mean of the last 200 logged
 train_loss values) and validation loss (last val_loss) per variant, dataset and size, as
-Markdown and LaTeX (booktabs). Several seeds give mean +/- std; missing runs stay blank.
+Markdown and LaTeX (booktabs). Several seeds give mean +/- std; missing runs stay blank. Runs with
+the settings of configs/authors.py (the paper as the authors' code ran it) get rows of their own,
+e.g. "mHC-lite (authors)" under "mHC-lite".
 
     python analysis/loss_table.py --runs out/* --out out/analysis
 """
@@ -11,8 +13,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 import numpy as np
 
-from analysis.common import (VARIANT_NAMES, VARIANTS, AnalysisError, dataset_name, find_runs, group_runs,
-                             size_sort_key)
+from analysis.common import (SETTINGS_LABELS, VARIANT_NAMES, VARIANTS, AnalysisError, authors_settings,
+                             dataset_name, find_runs, group_runs, size_sort_key)
 
 METRICS = ("train", "val")
 
@@ -28,8 +30,9 @@ def final_losses(run, last=200):
 
 
 def build_table(runs, last=200, datasets=None, sizes=None):
-    """{"columns": [(dataset, size)], "cells": {(variant, dataset, size, metric): [values over seeds]},
-    "runs": [(run, train, val)]}. Columns are the groups present, or datasets x sizes in the order
+    """{"columns": [(dataset, size)], "cells": {(row, dataset, size, metric): [values over seeds]},
+    "rows": [row], "runs": [(run, train, val)]}, a row being a variant ("mhclite") or a variant with
+    settings other than the paper's ("mhclite (authors)"). Columns are the groups present, or datasets x sizes in the order
     given (e.g. the paper's openwebtext fineweb_edu x S M L, blank where no run exists)."""
     groups = group_runs(runs)  # in paper order
     if datasets or sizes:  # the given order; what is not given comes from the runs
@@ -46,8 +49,15 @@ def build_table(runs, last=200, datasets=None, sizes=None):
                 used.append((run, train, val))
                 for metric, value in zip(METRICS, (train, val)):
                     if value is not None:
-                        cells.setdefault((variant, *group, metric), []).append(value)
-    return {"columns": columns, "cells": cells, "runs": used, "last": last}
+                        cells.setdefault((row_key(variant, run.settings), *group, metric), []).append(value)
+    # every variant's paper row (blank without runs), then the other settings where there are runs
+    rows = [row_key(v, s) for v in VARIANTS for s in SETTINGS_LABELS
+            if s == "paper" or any(r.residual == v and r.settings == s for r, _, _ in used)]
+    return {"columns": columns, "cells": cells, "rows": rows, "runs": used, "last": last}
+
+
+def row_key(variant, settings):
+    return variant if settings == "paper" else f"{variant} ({settings})"
 
 
 def cell_text(values, digits):
@@ -59,24 +69,25 @@ def cell_text(values, digits):
 
 
 def best_variants(table, column, metric, digits):
-    """Variants whose mean equals the lowest mean of the column at the shown precision."""
+    """Rows whose mean equals the lowest mean of the column at the shown precision."""
     means = {v: round(float(np.mean(table["cells"][(v, *column, metric)])), digits)
-             for v in VARIANTS if (v, *column, metric) in table["cells"]}
+             for v in table["rows"] if (v, *column, metric) in table["cells"]}
     finite = [m for m in means.values() if np.isfinite(m)]
     return {v for v, m in means.items() if finite and m == min(finite)}
 
 
 def table_rows(table, digits, bold):
-    """Per variant: the name and the cell texts, best cells wrapped by `bold`."""
+    """Per row: the name and the cell texts, best cells wrapped by `bold`."""
     best = {(c, m): best_variants(table, c, m, digits) for c in table["columns"] for m in METRICS}
     rows = []
-    for v in VARIANTS:
+    for v in table["rows"]:
         texts = []
         for column in table["columns"]:
             for metric in METRICS:
                 text = cell_text(table["cells"].get((v, *column, metric), []), digits)
                 texts.append(bold(text) if text and v in best[(column, metric)] else text)
-        rows.append((VARIANT_NAMES[v], texts))
+        variant, _, settings = v.partition(" ")
+        rows.append((" ".join(filter(None, (VARIANT_NAMES[variant], settings))), texts))
     return rows
 
 
@@ -118,15 +129,29 @@ def to_latex(table, digits=3):
 
 def runs_markdown(table):
     """Which run gave which numbers, so every cell can be traced to a directory."""
-    lines = ["| run | dataset | size | variant | seed | last step | train values averaged | train | val |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| run | dataset | size | variant | settings | seed | last step | train values averaged | train | val |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for run, train, val in table["runs"]:
         steps = run.train["step"]
         last_step = int(steps[-1]) if len(steps) else ""
         averaged = min(len(steps), table["last"])
         train_text, val_text = ("" if x is None else f"{x:.4f}" for x in (train, val))
-        lines.append(f"| {run.name} | {run.group[0]} | {run.group[1]} | {run.residual} | {run.seed} | "
-                     f"{last_step} | {averaged} | {train_text} | {val_text} |")
+        lines.append(f"| {run.name} | {run.group[0]} | {run.group[1]} | {run.residual} | {run.settings} | "
+                     f"{run.seed} | {last_step} | {averaged} | {train_text} | {val_text} |")
+    return "\n".join(lines) + "\n"
+
+
+def settings_markdown(runs):
+    """Each run's value of every setting configs/authors.py changes (docs/faithfulness.md), from its
+    config.json; a setting its config.json lacks predates the setting and had the paper's value.
+    Empty when every run has the paper's settings."""
+    if all(run.settings == "paper" for run in runs):
+        return ""
+    keys = list(authors_settings())
+    lines = ["| run | settings | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
+    for run in runs:
+        values = [repr(run.config[k]) if k in run.config else "(paper's, not recorded)" for k in keys]
+        lines.append(f"| {run.name} | {run.settings} | " + " | ".join(values) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -140,8 +165,9 @@ def write_loss_table(runs, out_dir, last=200, digits=3, datasets=None, sizes=Non
     if short:
         note += f"Runs with fewer than {last} logged steps (mean over all of them): {', '.join(short)}.\n"
     os.makedirs(out_dir, exist_ok=True)
+    settings = settings_markdown([run for run, _, _ in table["runs"]])
     with open(os.path.join(out_dir, "loss_table.md"), "w") as f:
-        f.write(markdown + "\n" + note + "\n" + runs_markdown(table))
+        f.write(markdown + "\n" + note + "\n" + runs_markdown(table) + (settings and "\n" + settings))
     with open(os.path.join(out_dir, "loss_table.tex"), "w") as f:
         f.write(to_latex(table, digits))
     return table, markdown + "\n" + note

@@ -123,6 +123,10 @@ def write_report(runs, out_dir, args, command):
                    code_block([colsum_box.format_stats(s) for s in members])]
 
     md += ["## Runs\n", loss_table.runs_markdown(table)]
+    settings = loss_table.settings_markdown(runs)
+    if settings:
+        md += ["Settings where the authors' code differs from the paper (docs/faithfulness.md in the "
+               "repository), from each run's config.json:\n", settings]
     path = os.path.join(out_dir, "report.md")
     with open(path, "w") as f:
         f.write("\n".join(md))

@@ -4,9 +4,12 @@
 #   bash scripts/sweep_table1.sh --nproc 1 --datasets openwebtext --sizes S --seeds "1337 1338"
 #   bash scripts/sweep_table1.sh --residuals "mhc mhclite" --dry_run   # print the commands only
 #   bash scripts/sweep_table1.sh --nproc 8 -- --wandb_log=True    # settings after -- go to train.py
+#   bash scripts/sweep_table1.sh --nproc 8 --authors              # the paper as the authors' code ran it
 # Each run writes <out_root>/<dataset>-<size>-<residual>-s<seed>/ with its train.log (--out_root
-# DIR, default out/ in the repository). A run with a `done` marker is skipped; a run with a
-# checkpoint but no marker is resumed (train.py returns at once if it is already at max_iters).
+# DIR, default out/ in the repository); --authors adds configs/authors.py (docs/faithfulness.md) to
+# every run and writes <dataset>-<size>-<residual>-authors-s<seed>/. A run with a `done` marker is
+# skipped; a run with a checkpoint but no marker is resumed (train.py returns at once if it is
+# already at max_iters).
 # A failed run is reported and the sweep goes on (exit status 1 at the end). Ctrl-C, or SIGTERM
 # to the process group (kill -TERM -- -PGID, as schedulers do): the running job saves a
 # checkpoint and exits, then the sweep stops; rerun the same command to resume.
@@ -22,6 +25,7 @@ SIZES="S M L"
 RESIDUALS="res hc mhc mhclite"
 OUT_ROOT=$PWD/out
 DRY_RUN=0
+AUTHORS=0
 EXTRA=()
 
 die() { echo "error: $*" >&2; exit 2; }
@@ -36,9 +40,10 @@ while [ $# -gt 0 ]; do
         --residuals) RESIDUALS=$(value_of "$@"); shift 2 ;;
         --out_root) OUT_ROOT=$(value_of "$@"); shift 2 ;;
         --dry_run) DRY_RUN=1; shift ;;
-        -h|--help) sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        --authors) AUTHORS=1; shift ;;
+        -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         --) shift; EXTRA=("$@"); break ;;
-        *) die "unknown option '$1'; valid: --nproc --seeds --datasets --sizes --residuals --out_root --dry_run --" ;;
+        *) die "unknown option '$1'; valid: --nproc --seeds --datasets --sizes --residuals --out_root --dry_run --authors --" ;;
     esac
 done
 
@@ -60,6 +65,10 @@ for r in $RESIDUALS; do
 done
 for seed in $SEEDS; do [[ "$seed" =~ ^[0-9]+$ ]] || die "seeds must be integers, got '$seed'"; done
 
+SETTINGS=()
+RUN_SUFFIX=""
+if [ "$AUTHORS" = 1 ]; then SETTINGS=(configs/authors.py); RUN_SUFFIX=-authors; fi
+
 failed=()
 # bash runs a trap once the foreground job is over, i.e. after train.py has saved its checkpoint
 trap 'echo "sweep stopped by SIGINT; rerun the same command to resume" >&2; exit 130' INT
@@ -68,14 +77,15 @@ for seed in $SEEDS; do
     for dataset in $DATASETS; do
         for size in $SIZES; do
             for residual in $RESIDUALS; do
-                out="$OUT_ROOT/$dataset-$size-$residual-s$seed"
+                out="$OUT_ROOT/$dataset-$size-$residual$RUN_SUFFIX-s$seed"
                 if [ -f "$out/done" ]; then
                     echo "skip (finished): $out"
                     continue
                 fi
                 cmd=("$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" train.py
-                     "$(dataset_config "$dataset")" "configs/$size.py" "configs/$residual.py"
-                     "--seed=$seed" "--out_dir=$out")
+                     "$(dataset_config "$dataset")" "configs/$size.py" "configs/$residual.py")
+                cmd+=("${SETTINGS[@]}")
+                cmd+=("--seed=$seed" "--out_dir=$out")
                 [ -f "$out/ckpt.pt" ] && cmd+=(--init_from=resume)
                 cmd+=("${EXTRA[@]}")
                 if [ "$DRY_RUN" = 1 ]; then

@@ -15,7 +15,7 @@ import torch
 
 import sample
 from analysis import collect, colsum_box, grad_norm, larger_n, loss_table, nu_hist, progress, report, throughput
-from analysis.common import find_runs, read_metrics
+from analysis.common import authors_settings, find_runs, read_metrics
 from checkpoint import load_model
 from residuals import capture_connections
 
@@ -475,3 +475,34 @@ def test_scripts_run_as_file_and_as_module(runs, tmp_path, form):
     result = subprocess.run([sys.executable, *form, "--runs", str(tmp_path / "nope")], cwd=REPO,
                             capture_output=True, text=True)
     assert result.returncode == 2 and result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
+
+
+def test_loss_table_shows_the_authors_settings_beside_the_paper(runs, tmp_path):
+    """A run with configs/authors.py's settings gets its own row and its settings listed; the run
+    whose config.json predates the settings counts as the paper's."""
+    authors = tmp_path / "mhclite-authors"
+    shutil.copytree(runs["mhclite"], authors)
+    config = json.loads((authors / "config.json").read_text())
+    settings = authors_settings()
+    assert set(settings) >= {"final_norm", "rms_eps", "sinkhorn_order", "init_stream", "connection_weight_decay",
+                             "h_res_dtype", "mixing_dtype"}
+    (authors / "config.json").write_text(json.dumps({**config, **settings}))
+    mixed = tmp_path / "mhc-mixed"
+    shutil.copytree(runs["mhc"], mixed)
+    (mixed / "config.json").write_text(json.dumps({**json.loads((mixed / "config.json").read_text()),
+                                                   "final_norm": settings["final_norm"]}))
+    old = tmp_path / "mhclite-old"
+    shutil.copytree(runs["mhclite"], old)
+    (old / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k not in settings}))
+    out = tmp_path / "table"
+    loss_table.main(["--runs", str(old), str(authors), str(mixed), "--out", str(out), "--last", "10"])
+    markdown = (out / "loss_table.md").read_text()
+    rows = markdown_rows(markdown)
+    assert list(rows) == ["Residual", "HC", "mHC", "mHC (mixed)", "mHC-lite", "mHC-lite (authors)"]
+    assert rows["mHC"] == ["", ""]
+    val = f"{logged(runs['mhclite'])['val_loss'][-1]:.3f}"
+    assert rows["mHC-lite"][1].strip("*") == rows["mHC-lite (authors)"][1].strip("*") == val
+    listed = markdown.split("| run | settings |")[1]
+    assert f"| mhclite-authors | authors | {repr(settings['final_norm'])} |" in listed
+    assert "| mhclite-old | paper | (paper's, not recorded) |" in listed
+    assert "| mhc-mixed | mixed |" in listed

@@ -215,3 +215,16 @@ def test_train_cli_rejects_a_negative_learning_rate_with_one_line():
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0] == "error: learning_rate must be > 0, got -1.0", proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("arg, words", [
+    ("--final_norm=before", ["unknown final_norm 'before'", "after_sum, per_stream"]),
+    ("--sinkhorn_order=rows", ["unknown sinkhorn_order 'rows'", "cols_then_rows, rows_then_cols"]),
+    ("--init_stream=random", ["unknown init_stream 'random'", "wrapper_mod_n, drawn"]),
+    ("--connection_weight_decay=all", ["unknown connection_weight_decay 'all'", "projections, authors"]),
+    ("--h_res_dtype=bfloat16", ["unknown h_res_dtype 'bfloat16'", "float32, autocast"]),
+    ("--mixing_dtype=bf16", ["unknown mixing_dtype 'bf16'", "float32, autocast"]),
+    ("--rms_eps=-1e-6", ["rms_eps must be >= 0"]),
+])
+def test_bad_authors_settings_give_one_clear_line(arg, words):
+    assert_one_line_config_error(arg, words)

@@ -416,3 +416,45 @@ def test_resume_accepts_checkpoints_older_than_a_setting_and_a_fused_switch(data
     proc = run_cli(tiny_args(data_dir, out, max_iters=5, init_from="resume", stream_dtype="bfloat16"))
     assert proc.returncode == 2
     assert_one_error_line(proc.stderr, "stream_dtype: checkpoint 'float32' vs run 'bfloat16'")
+
+
+def test_authors_settings_are_saved_and_a_drawn_init_stream_resumes(data_dir, tmp_path):
+    """configs/authors.py's settings reach config.json and the checkpoint; the drawn init streams
+    come from the run's seed, so the checkpoint rebuilds the same model; a checkpoint written before
+    the settings existed resumes with their defaults (the paper's)."""
+    out = tmp_path / "run"
+    train.main([os.path.join(REPO_DIR, "configs", "authors.py"),
+                *tiny_args(data_dir, out, max_iters=2, eval_interval=2, seed=7)])
+    saved = json.loads((out / "config.json").read_text())
+    assert (saved["final_norm"], saved["init_stream"], saved["connection_weight_decay"]) == (
+        "per_stream", "drawn", "authors")
+    model, ckpt = load_model(str(out / "ckpt.pt"))
+    assert ckpt["model_args"]["init_stream_seed"] == 7 and ckpt["model_args"]["rms_eps"] == 0.0
+    drawn = torch.randint(4, (4,), generator=torch.Generator().manual_seed(7)).tolist()
+    assert [c.stream_index for c in model.connections()] == drawn
+    train.main([os.path.join(REPO_DIR, "configs", "authors.py"),
+                *tiny_args(data_dir, out, max_iters=3, eval_interval=3, seed=7, init_from="resume")])
+
+    old = tmp_path / "old"
+    train.main(tiny_args(data_dir, old, max_iters=2, eval_interval=2))
+    ckpt = torch.load(old / "ckpt.pt", weights_only=True)
+    for key in ("final_norm", "rms_eps", "sinkhorn_order", "init_stream", "init_stream_seed",
+                "connection_weight_decay", "h_res_dtype", "mixing_dtype"):
+        del ckpt["model_args"][key]
+    torch.save(ckpt, old / "ckpt.pt")
+    train.main(tiny_args(data_dir, old, max_iters=3, eval_interval=3, init_from="resume"))
+    proc = run_cli(tiny_args(data_dir, old, max_iters=4, init_from="resume", final_norm="per_stream"))
+    assert proc.returncode == 2
+    assert_one_error_line(proc.stderr, "final_norm: checkpoint 'after_sum' vs run 'per_stream'")
+
+
+def test_sweep_authors_option_adds_the_config_and_its_own_run_directories(tmp_path):
+    script = os.path.join(REPO_DIR, "scripts", "sweep_table1.sh")
+    proc = subprocess.run(["bash", script, "--out_root", str(tmp_path), "--dry_run", "--authors", "--sizes", "S",
+                           "--datasets", "openwebtext"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    commands = proc.stdout.strip().splitlines()
+    assert len(commands) == 4
+    for residual, command in zip(("res", "hc", "mhc", "mhclite"), commands):
+        assert f"configs/{residual}.py configs/authors.py --seed=1337" in command
+        assert f"--out_dir={tmp_path}/openwebtext-S-{residual}-authors-s1337" in command.split()
