@@ -84,6 +84,12 @@ def unsupported_reason(module, x) -> str | None:
         return "the kernels are written for n_streams = 4"
     if isinstance(module, ManifoldHyperConnection) and module.sinkhorn_iters < MIN_SINKHORN_ITERS:
         return "the kernels need sinkhorn_iters >= 4"
+    if module.rms_eps != RMS_EPS or module.mixing_dtype != "float32":
+        return "the kernels compute the paper's connection (rms_eps 1e-6, fp32 mixing), not the authors' settings"
+    if getattr(module, "sinkhorn_order", "cols_then_rows") != "cols_then_rows":
+        return "the kernels run Sinkhorn columns then rows (the paper's order)"
+    if getattr(module, "h_res_dtype", "float32") != "float32":
+        return "the kernels combine the permutation matrices in fp32"
     if x.dtype not in STREAM_DTYPES:
         return "the kernels take float32 or bfloat16 streams"
     if x.dim() != 4 or x.shape[-2] != module.n_streams or x.shape[-1] != module.width:

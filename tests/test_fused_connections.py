@@ -366,6 +366,12 @@ def test_supported_only_where_the_kernels_can_run(monkeypatch):
     assert "n_streams = 4" in reason(RESIDUALS["mhclite"](width, 2, 0), x[:, :, :2])
     assert "sinkhorn_iters" in reason(RESIDUALS["mhc"](width, N, 0, sinkhorn_iters=3), x)
     assert "HC-family" in reason(Residual(width, 1, 0), x[:, :, :1])
+    # configs/authors.py's settings compute another function: those connections take residuals.py
+    for residual, setting in [("hc", dict(rms_eps=0.0)), ("mhclite", dict(mixing_dtype="autocast")),
+                              ("mhc", dict(sinkhorn_order="rows_then_cols")),
+                              ("mhclite", dict(h_res_dtype="autocast"))]:
+        assert reason(RESIDUALS[residual](width, N, 0, **setting), x) is not None, setting
+    assert reason(RESIDUALS["mhclite"](width, N, 0, stream_index=3), x) is None  # only an init value
     assert "float32 or bfloat16" in reason(module, x.half())
     assert "float32 or bfloat16" in reason(module, x.double())
     assert "(B, T, n, C)" in reason(module, x[..., :4])  # not this module's width
