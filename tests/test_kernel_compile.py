@@ -106,5 +106,5 @@ def test_every_launched_kernel_compiles_for_sm80_and_sm90(tmp_path):
             assert "error" not in res, f"{name}, sm_{cc}: {res.get('error')}"
             assert res["shared_bytes"] <= SM80_SHARED_PER_CTA, f"{name}, sm_{cc}: {res['shared_bytes']} B shared"
             assert res["ctas_per_sm"] >= 1 and res["registers"] <= 255
-            if r["autocast"] == "bfloat16" and r["width"] == DEFAULT_WIDTH:
+            if r["autocast"] == "bfloat16":  # the training default: no spills at either width
                 assert res["stack_bytes"] == 0 and res["local_bytes"] == 0, f"{name}, sm_{cc} spills: {res}"
