@@ -97,7 +97,8 @@ stage_options() {
 
 stage_kernels() {
     "$PYTHON" -m pytest -q -m "cuda and fused" tests/test_cuda.py
-    TRITON_INTERPRET=$INTERPRET "$PYTHON" bench.py --size "$SIZE" --device "$DEVICE" --kernels --json "$OUT/kernels.json"
+    TRITON_INTERPRET=$INTERPRET "$PYTHON" bench.py --size "$SIZE" --device "$DEVICE" --kernels $BENCH_ARGS \
+        --json "$OUT/kernels.json"
 }
 export -f "${STAGES[@]/#/stage_}"
 
