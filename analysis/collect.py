@@ -1,5 +1,6 @@
 """Collect the connection matrices of a trained HC-family model (paper Sec. 4.3): run the first
-`--num_seqs` sequences of length `--seq_len` of the training split through the model under
+`--num_seqs` sequences of length `--seq_len` of the training split (or, with `--split val`, of
+the held-out split) through the model under
 residuals.capture_connections and save, per wrapper and per token, as float32 in an .npz:
 
   h_res (W, N, n, n)         x_next[i] = sum_j h_res[i, j] x[j]      (hc, mhc, mhclite)
@@ -8,10 +9,10 @@ residuals.capture_connections and save, per wrapper and per token, as float32 in
   perm_weights (W, N, K)     mhclite only: the convex weights over the K permutations `perms` (K, n)
 
 W = 2 * n_layer wrappers in forward order (wrapper w is the attention (w even) or MLP (w odd)
-connection of layer w // 2). Token j of the N collected tokens is train.bin token
+connection of layer w // 2). Token j of the N collected tokens is <split>.bin token
 `token_index[j]` (sequence token_index // seq_len, position token_index % seq_len); without
 --max_tokens that is all num_seqs * seq_len tokens in order, with it a seeded sorted subsample.
-Metadata arrays: residual, dataset, size, run_seed (training seed), n_layer, n_streams, step,
+Metadata arrays: residual, dataset, size, split, run_seed (training seed), n_layer, n_streams, step,
 wrapper, wrapper_layer, wrapper_sublayer, num_seqs, seq_len, seed (subsample seed), checkpoint.
 
     python analysis/collect.py --ckpt out/shakespeare_char-tiny-mhc-s1/ckpt.pt --out out/analysis/mhc.npz
@@ -44,12 +45,17 @@ def collect_shapes(model):
     return shapes
 
 
-def training_tokens(ckpt, data_dir, num_seqs, seq_len):
-    """The first num_seqs * seq_len tokens of the run's train.bin (memory-mapped)."""
+SPLITS = ("train", "val")
+
+
+def split_tokens(ckpt, data_dir, num_seqs, seq_len, split="train"):
+    """The first num_seqs * seq_len tokens of the run's <split>.bin (memory-mapped)."""
+    if split not in SPLITS:
+        raise AnalysisError(f"unknown split '{split}'; valid: {', '.join(SPLITS)}")
     config = ckpt["config"]
-    path = os.path.join(data_dir or config["data_dir"], config["dataset"], "train.bin")
+    path = os.path.join(data_dir or config["data_dir"], config["dataset"], f"{split}.bin")
     if not os.path.isfile(path):
-        raise AnalysisError(f"training data not found: {path} (pass --data_dir)")
+        raise AnalysisError(f"{split} data not found: {path} (pass --data_dir)")
     tokens = np.memmap(path, dtype=np.uint16, mode="r")
     need = num_seqs * seq_len
     if len(tokens) < need:
@@ -71,7 +77,7 @@ def write_npz_atomically(path, arrays):
 
 
 def collect(ckpt_path, out_path, num_seqs=64, seq_len=1024, batch_size=8, max_tokens=None, seed=0,
-            data_dir=None, device="cpu", dtype="float32"):
+            data_dir=None, device="cpu", dtype="float32", split="train"):
     """Writes the npz described in the module docstring to out_path; returns its metadata."""
     for name, value in (("num_seqs", num_seqs), ("seq_len", seq_len), ("batch_size", batch_size)):
         if value < 1:
@@ -88,7 +94,7 @@ def collect(ckpt_path, out_path, num_seqs=64, seq_len=1024, batch_size=8, max_to
         raise AnalysisError(f"nothing to collect: '{ckpt_path}' is a res model, and res has no H_res")
     if seq_len > cfg.block_size:
         raise AnalysisError(f"--seq_len {seq_len} exceeds the model's block_size {cfg.block_size}")
-    tokens = training_tokens(ckpt, data_dir, num_seqs, seq_len)
+    tokens = split_tokens(ckpt, data_dir, num_seqs, seq_len, split)
 
     total = num_seqs * seq_len
     if max_tokens is None or max_tokens >= total:
@@ -122,7 +128,7 @@ def collect(ckpt_path, out_path, num_seqs=64, seq_len=1024, batch_size=8, max_to
                     arrays[name][w, lo:hi] = values.cpu().numpy()
         metadata = {
             "residual": cfg.residual, "dataset": ckpt["config"]["dataset"], "size": ckpt["config"]["size"],
-            "run_seed": ckpt["config"]["seed"],
+            "split": split, "run_seed": ckpt["config"]["seed"],
             "n_layer": cfg.n_layer, "n_streams": cfg.n_streams, "step": int(ckpt["step"]),
             "wrapper": np.arange(n_wrappers), "wrapper_layer": np.arange(n_wrappers) // 2,
             "wrapper_sublayer": np.array(["attn", "mlp"] * cfg.n_layer),
@@ -144,14 +150,15 @@ def main(argv=None):
     p.add_argument("--batch_size", type=int, default=8, help="sequences per forward pass")
     p.add_argument("--max_tokens", type=int, default=None, help="keep a seeded random subset of this many tokens")
     p.add_argument("--seed", type=int, default=0, help="seed of the --max_tokens subsample")
-    p.add_argument("--data_dir", default=None, help="folder holding <dataset>/train.bin (default: the run's data_dir)")
+    p.add_argument("--split", default="train", choices=SPLITS, help="val: held-out text")
+    p.add_argument("--data_dir", default=None, help="folder holding <dataset>/<split>.bin (default: the run's data_dir)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="bfloat16: autocast as in GPU training (the coefficients are fp32 either way)")
     args = p.parse_args(argv)
     try:
         collect(args.ckpt, args.out, args.num_seqs, args.seq_len, args.batch_size, args.max_tokens,
-                args.seed, args.data_dir, args.device, args.dtype)
+                args.seed, args.data_dir, args.device, args.dtype, args.split)
     except (AnalysisError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
