@@ -58,9 +58,9 @@ train_one() {  # residual depth lr seed
         --seed="$4" --out_dir="$out_dir" "${overrides[@]}" > "$out_dir/train.log" 2>&1 || status=$?
     echo "$((SECONDS - start))" > "$out_dir/wall_s"
     if [ "$status" -ne 0 ]; then
-        if grep -q "non-finite loss" "$out_dir/train.log"; then  # train.py's stop on a NaN: a result
+        if grep -q "non-finite" "$out_dir/train.log"; then  # train.py's stop on a NaN or inf: a result
             touch "$out_dir/diverged"
-            echo "diverged $out_dir: $(grep 'non-finite loss' "$out_dir/train.log" | tail -n 1)"
+            echo "diverged $out_dir: $(grep 'non-finite' "$out_dir/train.log" | tail -n 1)"
             return
         fi
         tail -n 20 "$out_dir/train.log" >&2

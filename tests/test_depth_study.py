@@ -1,0 +1,222 @@
+"""analysis/depth_study.py on small fake runs: checkpoints of real (perturbed) models with
+metrics.jsonl files written here, so that every number the study prints can be recomputed:
+spikes planted at known steps, val losses chosen per seed, a run stopped by a NaN, one that ends
+above the unigram entropy, and H_res sums measured again through capture_connections."""
+
+import dataclasses
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from analysis import depth_study
+from checkpoint import save_checkpoint
+from config import TrainConfig
+from dataprep import unigram_entropy
+from model import GPT, GPTConfig
+from residuals import capture_connections
+
+DATASET, VOCAB, BLOCK = "toy_char", 16, 32
+VARIANTS = ("res", "hc", "mhc", "mhclite")
+DEPTHS, SEEDS, STEPS, WARMUP = (1, 3), (0, 1), 40, 4
+LR, HIGH_LR = 1e-3, 1e-2
+NUM_SEQS = 4
+SPIKE_STEPS = (25, 33)  # 1-based steps whose gradient norm is planted at 5x the baseline
+
+
+def write_dataset(data_dir):
+    folder = data_dir / DATASET
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for split, size in (("train", 4000), ("val", 2000)):
+        rng.integers(0, VOCAB, size).astype(np.uint16).tofile(folder / f"{split}.bin")
+    (folder / "meta.json").write_text(json.dumps(dict(dataset=DATASET, tokenizer="char", vocab_size=VOCAB,
+                                                      itos=[chr(97 + i) for i in range(VOCAB)])))
+
+
+def final_val_loss(variant, depth, lr, seed):
+    """A distinct, known final val loss per run."""
+    return 2.0 + 0.1 * VARIANTS.index(variant) + 0.01 * depth + 0.001 * seed + (0.5 if lr == HIGH_LR else 0)
+
+
+def grad_norms(seed, nan_at=None):
+    """A flat baseline with a 2x bump (below the spike factor) and 5x spikes at SPIKE_STEPS."""
+    norms = [1.0 + 0.01 * ((step * 7 + seed) % 5) for step in range(1, STEPS + 1)]
+    norms[14] *= 2.0
+    for step in SPIKE_STEPS:
+        norms[step - 1] *= 5.0
+    if nan_at is not None:
+        norms[nan_at - 1:] = [float("nan")] * (STEPS - nan_at + 1)
+    return norms
+
+
+def fake_run(root, data_dir, variant, depth, lr, seed, val_loss=None, nan_at=None):
+    """A run folder as train.py leaves it: config.json, metrics.jsonl, ckpt.pt and a marker."""
+    path = root / f"{variant}-L{depth}-lr{lr:g}-s{seed}"
+    path.mkdir(parents=True)
+    config = dataclasses.asdict(TrainConfig(
+        dataset=DATASET, data_dir=str(data_dir), size="tiny", residual=variant, n_layer=depth, n_head=2, n_embd=32,
+        block_size=BLOCK, batch_size=4, learning_rate=lr, min_lr=lr / 10, max_iters=STEPS, warmup_iters=WARMUP,
+        seed=seed, device="cpu", dtype="float32", compile="false"))
+    (path / "config.json").write_text(json.dumps(config))
+    norms = grad_norms(seed, nan_at)
+    records = [dict(step=s, train_loss=3.0 - s / 100 if math.isfinite(g) else g, lr=lr, grad_norm=g,
+                    tokens_per_s=1000.0, step_ms=10.0) for s, g in zip(range(1, STEPS + 1), norms)]
+    if nan_at is not None:
+        records = records[:nan_at]  # train.py stops at the window holding the NaN
+    evals = [dict(step=STEPS // 2, eval_train_loss=2.9, val_loss=2.9)]
+    if nan_at is None:
+        evals.append(dict(step=STEPS, eval_train_loss=2.5,
+                          val_loss=val_loss if val_loss is not None else final_val_loss(variant, depth, lr, seed)))
+    lines = [json.dumps(r) for r in sorted(records + evals, key=lambda r: r["step"])]
+    (path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    torch.manual_seed(seed)
+    model_args = dict(block_size=BLOCK, vocab_size=VOCAB, n_layer=depth, n_head=2, n_embd=32, residual=variant)
+    model = GPT(GPTConfig(**model_args))
+    with torch.no_grad():  # away from the initial coefficients, so that mhc's Sinkhorn leaves visible errors
+        for module in model.connections():
+            for p in module.parameters():
+                p.add_(torch.randn_like(p) * (3.0 if p.dim() == 0 or p.numel() < 40 else 0.3))
+    save_checkpoint(str(path / "ckpt.pt"), dict(model=model.state_dict(), model_args=model_args, config=config,
+                                                step=STEPS))
+    (path / ("diverged" if nan_at is not None else "done")).write_text(f"{STEPS}\n")
+    (path / "wall_s").write_text("7\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory):
+    """{root, data_dir, paths: {(variant, depth, lr, seed): run folder}, out}."""
+    root = tmp_path_factory.mktemp("depth_study")
+    data_dir = root / "data"
+    write_dataset(data_dir)
+    runs = root / "runs"
+    paths = {}
+    for variant in VARIANTS:
+        for depth in DEPTHS:
+            for seed in SEEDS:
+                paths[variant, depth, LR, seed] = fake_run(runs, data_dir, variant, depth, LR, seed)
+    # at the high learning rate: mhc seed 0 stops on a NaN at step 30, hc seed 0 ends above the entropy
+    paths["mhc", 3, HIGH_LR, 0] = fake_run(runs, data_dir, "mhc", 3, HIGH_LR, 0, nan_at=30)
+    paths["mhc", 3, HIGH_LR, 1] = fake_run(runs, data_dir, "mhc", 3, HIGH_LR, 1)
+    paths["hc", 3, HIGH_LR, 0] = fake_run(runs, data_dir, "hc", 3, HIGH_LR, 0, val_loss=9.0)
+    return dict(root=root, data_dir=data_dir, paths=paths, out=root / "out")
+
+
+@pytest.fixture(scope="module")
+def written(study):
+    """Runs the analysis once over all the runs; returns its depth_study.json."""
+    depth_study.main(["--runs", str(study["root"] / "runs" / "*"), "--out", str(study["out"]),
+                      "--num_seqs", str(NUM_SEQS), "--seq_len", "16",
+                      "--study_command", "bash scripts/depth_study.sh --jobs 2", "--wall_s", "600"])
+    return json.loads((study["out"] / "depth_study.json").read_text())
+
+
+def row_of(result, variant, depth, lr, seed):
+    return next(r for r in result["rows"] if (r["variant"], r["depth"], r["lr"], r["seed"]) == (variant, depth, lr, seed))
+
+
+def entry_of(result, variant, depth, lr):
+    return next(e for e in result["summary"] if (e["variant"], e["depth"], e["lr"]) == (variant, depth, lr))
+
+
+def test_count_spikes_against_a_running_median():
+    norms = [1.0] * 30
+    norms[10], norms[20], norms[25] = 2.9, 3.1, 10.0
+    assert depth_study.count_spikes(norms, factor=3.0, window=5) == 2
+    assert depth_study.count_spikes(norms, factor=2.0, window=5) == 3
+    assert depth_study.count_spikes(norms[:5], factor=3.0, window=5) == 0  # no full window yet
+    norms[3] = 50.0  # before the first full window: never counted
+    assert depth_study.count_spikes(norms, factor=3.0, window=5) == 2
+
+
+def test_rows_come_from_the_runs(study, written):
+    for seed in SEEDS:
+        row = row_of(written, "mhclite", 3, LR, seed)
+        assert row["val_loss"] == pytest.approx(final_val_loss("mhclite", 3, LR, seed))
+        assert not row["diverged"]
+        assert row["spikes"] == len(SPIKE_STEPS)  # the 2x bump is below the factor 3
+        after = grad_norms(seed)[WARMUP:]
+        assert row["grad_norm_max"] == pytest.approx(max(after))
+        assert row["grad_norm_median"] == pytest.approx(np.median(after))
+        assert row["wall_s"] == 7
+    mean = np.mean([final_val_loss("mhc", 1, LR, s) for s in SEEDS])
+    std = np.std([final_val_loss("mhc", 1, LR, s) for s in SEEDS])
+    entry = entry_of(written, "mhc", 1, LR)
+    assert entry["val_loss"] == pytest.approx(mean) and entry["val_loss_std"] == pytest.approx(std)
+
+
+def test_divergence_is_a_nan_or_a_loss_above_the_unigram_entropy(study, written):
+    nan_run = row_of(written, "mhc", 3, HIGH_LR, 0)
+    assert nan_run["diverged"] and nan_run["diverged_reason"] == "non-finite loss" and math.isnan(nan_run["val_loss"])
+    entropy = unigram_entropy(np.fromfile(study["data_dir"] / DATASET / "val.bin", dtype=np.uint16))
+    high = row_of(written, "hc", 3, HIGH_LR, 0)
+    assert high["diverged"] and high["diverged_reason"] == f"val loss 9.000 > unigram entropy {entropy:.3f}"
+    entry = entry_of(written, "mhc", 3, HIGH_LR)
+    assert entry["diverged"] == 1 and entry["val_loss_n"] == 1  # the mean is over the finite run only
+    assert entry["val_loss"] == pytest.approx(final_val_loss("mhc", 3, HIGH_LR, 1))
+    assert row_of(written, "mhc", 3, HIGH_LR, 0)["spikes"] == 1  # spikes counted before the NaN
+
+
+def test_sums_are_measured_on_held_out_text(study, written):
+    val = np.fromfile(study["data_dir"] / DATASET / "val.bin", dtype=np.uint16)[:NUM_SEQS * 16]
+    for variant in ("hc", "mhc", "mhclite"):
+        path = study["paths"][variant, 3, LR, 1]
+        model = depth_study.load_model(str(path / "ckpt.pt"))[0]
+        with torch.no_grad(), capture_connections() as records:
+            model(torch.from_numpy(val.astype(np.int64)).view(NUM_SEQS, 16))
+        h = [r["h_res"].double().reshape(-1, 4, 4) for r in records]
+        product = h[0]
+        for m in h[1:]:
+            product = m @ product
+        row = row_of(written, variant, 3, LR, 1)
+        col = (product.sum(-2) - 1).abs()
+        assert row["product_col_dev"] == pytest.approx(col.max().item(), rel=1e-4, abs=1e-9)
+        assert row["product_col_dev_median"] == pytest.approx(np.median(col.numpy()), rel=1e-6, abs=1e-12)
+        assert row["matrix_col_dev"] == pytest.approx(max((m.sum(-2) - 1).abs().max().item() for m in h),
+                                                      rel=1e-4, abs=1e-9)
+        if variant == "mhc":
+            logits = torch.cat([r["logits"].reshape(-1, 16) for r in records]).double()
+            spread = (logits.max(-1).values - logits.min(-1).values).numpy()
+            assert row["log_inv_nu_max"] == pytest.approx(spread.max(), rel=1e-5)
+            assert row["log_inv_nu_median"] == pytest.approx(np.median(spread), rel=1e-5)
+    lite, mhc, hc = (row_of(written, v, 3, LR, 1) for v in ("mhclite", "mhc", "hc"))
+    for key in ("matrix_col_dev", "matrix_row_dev", "product_col_dev", "product_row_dev"):
+        assert lite[key] < 1e-5
+    assert mhc["matrix_row_dev"] < 1e-5 < mhc["matrix_col_dev"]  # Sinkhorn ends on rows
+    assert hc["product_col_dev"] > 1e-2
+    assert math.isnan(row_of(written, "res", 3, LR, 1)["product_col_dev"])
+
+
+def test_page_embeds_figures_tables_command_and_time(study, written):
+    page = (study["out"] / "depth_study.md").read_text()
+    for name in ("colsum", "grad_norm", "val_loss"):
+        figure = study["out"] / f"depth_study_{name}.png"
+        assert figure.stat().st_size > 10_000 and f"({figure.name})" in page
+    assert "bash scripts/depth_study.sh --jobs 2\npython analysis/depth_study.py --runs" in page
+    assert "the trainings took 10.0 min of wall time" in page
+    assert "- Diverged: mHC, 3 layers, lr 0.01, seed 0 (non-finite loss)." in page
+    assert "### lr 0.001" in page and "### lr 0.01" in page
+    mhc = entry_of(written, "mhc", 3, LR)
+    assert (f"| mHC | 3 | 0/2 | {mhc['val_loss']:.3f} ± {mhc['val_loss_std']:.3f} | 2.0 ± 0.0 |") in page
+    lite = entry_of(written, "mhclite", 3, LR)
+    diff = lite["val_loss"] - entry_of(written, "res", 3, LR)["val_loss"]
+    assert "Val loss against res, 3 layers, lr 0.001: " in page and f"mHC-lite {diff:+.3f}" in page
+
+
+def test_unfinished_and_mixed_length_runs_are_one_line_errors(study, tmp_path, capsys):
+    unfinished = fake_run(tmp_path / "a", study["data_dir"], "res", 1, LR, 0)
+    (unfinished / "done").unlink()
+    with pytest.raises(SystemExit) as excinfo:
+        depth_study.main(["--runs", str(unfinished), "--out", str(tmp_path / "o")])
+    assert excinfo.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "is unfinished" in err and "\n" not in err
+    longer = fake_run(tmp_path / "b", study["data_dir"], "res", 3, LR, 0)
+    config = json.loads((longer / "config.json").read_text())
+    (longer / "config.json").write_text(json.dumps({**config, "max_iters": STEPS * 2}))
+    with pytest.raises(SystemExit):
+        depth_study.main(["--runs", str(study["paths"]["res", 1, LR, 0]), str(longer), "--out", str(tmp_path / "o")])
+    assert "different lengths" in capsys.readouterr().err
