@@ -289,6 +289,13 @@ def findings(rows, summary, lrs, depths):
                          f"(x{b['product_col_dev'] / a['product_col_dev']:.1f}; every seed at {deep} above every seed "
                          f"at {shallow}: {'yes' if separated else 'no'}); per matrix {a['matrix_col_dev']:.2e} and "
                          f"{b['matrix_col_dev']:.2e}.")
+    for lr in lrs if len(depths) > 1 else ():
+        es = {e["depth"]: e for e in entries(summary, "mhc", lr)}
+        if shallow in es and deep in es and not math.isnan(es[shallow]["log_inv_nu_max"]):
+            a, b = es[shallow], es[deep]
+            lines.append(f"- mHC's Sinkhorn inputs, {lr_label(lr)}: log(1/nu) median {a['log_inv_nu_median']:.1f}, "
+                         f"max {a['log_inv_nu_max']:.1f} at {shallow} layers; median {b['log_inv_nu_median']:.1f}, "
+                         f"max {b['log_inv_nu_max']:.1f} at {deep} (means over seeds).")
     diverged = [r for r in rows if r["diverged"]]
     if diverged:
         for r in sorted(diverged, key=lambda r: (r["lr"], VARIANTS.index(r["variant"]), r["depth"], r["seed"])):
