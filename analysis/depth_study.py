@@ -200,6 +200,7 @@ def plot_colsum(rows, summary, lrs, path):
             ax.scatter(*zip(*dots), color=color, s=12, alpha=0.5)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        ax.set_xlim(min(e["depth"] for e in summary) / 1.4, max(e["depth"] for e in summary) * 1.4)
         ax.set_xticks(sorted({e["depth"] for e in summary}), [str(d) for d in sorted({e["depth"] for e in summary})])
         ax.set_xlabel("depth (layers)")
         ax.set_ylabel("max |colsum - 1| of the product of all H_res")
@@ -212,22 +213,26 @@ def plot_colsum(rows, summary, lrs, path):
 
 
 def plot_grad_norm(rows, lrs, depth, path):
-    """Per-step gradient norms (before clipping) of every run at `depth`, one panel per learning rate."""
-    fig, axes = plt.subplots(1, len(lrs), figsize=(6 * len(lrs), 4.2), squeeze=False)
-    for ax, lr in zip(axes[0], lrs):
-        for variant in VARIANTS:
+    """Per-step gradient norms (before clipping) of every run at `depth`: a row of panels per
+    learning rate, a panel per variant, a line per seed; one y scale per row."""
+    fig, axes = plt.subplots(len(lrs), len(VARIANTS), figsize=(3.6 * len(VARIANTS), 3.0 * len(lrs)),
+                             squeeze=False, sharex=True, sharey="row")
+    for ax_row, lr in zip(axes, lrs):
+        for ax, variant in zip(ax_row, VARIANTS):
             runs = sorted((r for r in rows if r["variant"] == variant and r["lr"] == lr and r["depth"] == depth),
                           key=lambda r: r["seed"])
             for i, r in enumerate(runs):
                 steps, norms = zip(*r["grad_norm_curve"])
                 ax.plot(steps, norms, color=VARIANT_COLORS[variant], linestyle=LINESTYLES[i % len(LINESTYLES)],
-                        linewidth=0.9, alpha=0.8, label=VARIANT_NAMES[variant] if i == 0 else None)
-        ax.set_yscale("log")
+                        linewidth=0.9, label=f"seed {r['seed']}")
+            ax.set_yscale("log")
+            ax.set_title(f"{VARIANT_NAMES[variant]}, {depth} layers, {lr_label(lr)}", fontsize=9)
+            ax.grid(alpha=0.3, which="both")
+            if runs:
+                ax.legend(fontsize=7)
+        ax_row[0].set_ylabel("gradient norm\n(before clipping)")
+    for ax in axes[-1]:
         ax.set_xlabel("step")
-        ax.set_ylabel("gradient norm (before clipping)")
-        ax.set_title(f"{depth} layers, {lr_label(lr)} (one line per seed)")
-        ax.grid(alpha=0.3, which="both")
-        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -241,6 +246,7 @@ def plot_val_loss(rows, summary, lrs, path):
     for ax, lr in zip(axes[0], lrs):
         finite = [e["val_loss"] for e in summary if e["lr"] == lr and not math.isnan(e["val_loss"])]
         top = max(finite) if finite else 1.0
+        any_diverged = False
         for k, variant in enumerate(VARIANTS):
             es = [e for e in entries(summary, variant, lr) if not math.isnan(e["val_loss"])]
             offset = 1 + 0.03 * (k - 1.5)  # side by side, so the error bars do not hide each other
@@ -252,7 +258,11 @@ def plot_val_loss(rows, summary, lrs, path):
             bad = [r["depth"] * offset for r in rows if r["variant"] == variant and r["lr"] == lr and r["diverged"]]
             if bad:
                 ax.scatter(bad, [top] * len(bad), color=color, marker="x", s=40)
+                any_diverged = True
+        if any_diverged:
+            ax.scatter([], [], color="black", marker="x", label="diverged (drawn at the top)")
         ax.set_xscale("log", base=2)
+        ax.set_xlim(depths[0] / 1.4, depths[-1] * 1.4)
         ax.set_xticks(depths, [str(d) for d in depths])
         ax.set_xlabel("depth (layers)")
         ax.set_ylabel("final val loss (mean ± std over seeds)")
