@@ -430,8 +430,9 @@ def write_study(run_paths, out_dir, command, num_seqs=16, seq_len=128, spike_fac
     plot_grad_norm(rows, lrs, depths[-1], figures["grad_norm"])
     plot_val_loss(rows, summary, lrs, figures["val_loss"])
     with open(os.path.join(out_dir, "depth_study.json"), "w") as f:
-        json.dump(dict(rows=rows, summary=summary, spike_factor=spike_factor, spike_window=spike_window), f,
-                  indent=1)
+        curves_left_out = [{k: v for k, v in r.items() if k != "grad_norm_curve"} for r in rows]  # in metrics.jsonl
+        json.dump(dict(rows=curves_left_out, summary=summary, spike_factor=spike_factor, spike_window=spike_window),
+                  f, indent=1)
 
     first = runs[0].config
     seeds = sorted({r["seed"] for r in rows})
