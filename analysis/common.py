@@ -4,7 +4,9 @@ import ast
 import functools
 import glob
 import json
+import math
 import os
+import platform
 import zipfile
 from dataclasses import dataclass
 
@@ -238,6 +240,31 @@ def moving_stats(values, window):
     """Trailing moving mean and std over full windows: entry i covers values[i : i + window]."""
     windows = np.lib.stride_tricks.sliding_window_view(np.asarray(values, dtype=np.float64), window)
     return windows.mean(axis=1), windows.std(axis=1)
+
+
+def seed_stats(values):
+    """(mean, std, count) of the values that are not NaN; std 0 below two values, mean NaN for none."""
+    values = np.asarray(values, dtype=np.float64)
+    values = values[~np.isnan(values)]
+    if len(values) == 0:
+        return math.nan, 0.0, 0
+    return float(values.mean()), float(values.std()) if len(values) > 1 else 0.0, int(len(values))
+
+
+def format_mean_std(value, std, count, digits=4, scientific=False):
+    """"2.2514 ± 0.0100" (or "5.94e-02 ± 1.2e-03"); the value alone for one seed, "-" for NaN."""
+    if math.isnan(value):
+        return "-"
+    text = f"{value:.2e}" if scientific else f"{value:.{digits}f}"
+    if count > 1:
+        text += f" ± {std:.1e}" if scientific else f" ± {std:.{digits}f}"
+    return text
+
+
+def machine_line():
+    import torch  # only the study pages need it; the other scripts stay torch-free at import
+    return (f"{platform.machine()} CPU, {os.cpu_count()} cores, torch {torch.__version__}, "
+            f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
 
 
 COLLECT_METADATA = ("residual", "dataset", "size", "run_seed", "n_layer", "n_streams", "step", "num_seqs",

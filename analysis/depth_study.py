@@ -22,7 +22,6 @@ import functools
 import json
 import math
 import os
-import platform
 import shlex
 import sys
 import tempfile
@@ -33,11 +32,11 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
 import numpy as np
-import torch
 
 from analysis.collect import collect
 from analysis.colsum_box import composite
-from analysis.common import VARIANT_COLORS, VARIANT_NAMES, VARIANTS, AnalysisError, find_runs, load_collected
+from analysis.common import (VARIANT_COLORS, VARIANT_NAMES, VARIANTS, AnalysisError, find_runs, format_mean_std,
+                             load_collected, machine_line, seed_stats)
 from analysis.nu_hist import log_inv_nu
 from checkpoint import CheckpointError, load_model
 from dataprep import unigram_entropy
@@ -141,23 +140,13 @@ def summarise(rows):
         entry = dict(variant=key[0], depth=key[1], lr=key[2], seeds=[r["seed"] for r in members],
                      diverged=sum(r["diverged"] for r in members))
         for metric in METRICS:
-            values = np.array([r[metric] for r in members], dtype=np.float64)
-            values = values[~np.isnan(values)]
-            entry[metric] = float(values.mean()) if len(values) else math.nan
-            entry[metric + "_std"] = float(values.std()) if len(values) > 1 else 0.0
-            entry[metric + "_n"] = int(len(values))
+            entry[metric], entry[metric + "_std"], entry[metric + "_n"] = seed_stats([r[metric] for r in members])
         summary.append(entry)
     return summary
 
 
 def fmt(entry, metric, digits=3, scientific=False):
-    value, std = entry[metric], entry[metric + "_std"]
-    if math.isnan(value):
-        return "-"
-    text = f"{value:.2e}" if scientific else f"{value:.{digits}f}"
-    if entry[metric + "_n"] > 1:
-        text += f" ± {std:.1e}" if scientific else f" ± {std:.{digits}f}"
-    return text
+    return format_mean_std(entry[metric], entry[metric + "_std"], entry[metric + "_n"], digits, scientific)
 
 
 def lr_label(lr):
@@ -405,11 +394,6 @@ def findings(rows, summary, lrs, depths):
             if parts:
                 lines.append(f"- Val loss against res, {depth} layers, {lr_label(lr)}: " + ", ".join(parts) + ".")
     return lines
-
-
-def machine_line():
-    return (f"{platform.machine()} CPU, {os.cpu_count()} cores, torch {torch.__version__}, "
-            f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
 
 
 def write_study(run_paths, out_dir, command, num_seqs=16, seq_len=128, spike_factor=3.0, spike_window=20,

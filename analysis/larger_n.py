@@ -17,7 +17,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import shlex
 import sys
 import tempfile
@@ -28,11 +27,11 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
 import numpy as np
-import torch
 
 from analysis.collect import collect
 from analysis.colsum_box import sum_stats
-from analysis.common import VARIANT_COLORS, VARIANT_NAMES, AnalysisError, after_warmup, find_runs
+from analysis.common import (VARIANT_COLORS, VARIANT_NAMES, AnalysisError, after_warmup, find_runs,
+                             format_mean_std, machine_line, seed_stats)
 from checkpoint import CheckpointError, load_model
 
 STUDY_VARIANTS = ("res", "mhc", "mhclite")
@@ -99,21 +98,13 @@ def summarise(rows):
         entry = dict(config=config, label=label(config), seeds=[r["seed"] for r in members],
                      step=members[0]["step"], connection_params=members[0]["connection_params"])
         for metric in METRICS:
-            values = np.array([r[metric] for r in members])
-            entry[metric] = float(values.mean())
-            entry[metric + "_std"] = float(values.std()) if len(values) > 1 else 0.0
+            entry[metric], entry[metric + "_std"], entry[metric + "_n"] = seed_stats([r[metric] for r in members])
         summary.append(entry)
     return summary
 
 
 def fmt(entry, metric, digits=4, scientific=False):
-    value, std = entry[metric], entry[metric + "_std"]
-    if math.isnan(value):
-        return "-"
-    text = f"{value:.2e}" if scientific else f"{value:.{digits}f}"
-    if len(entry["seeds"]) > 1:
-        text += f" ± {std:.2e}" if scientific else f" ± {std:.{digits}f}"
-    return text
+    return format_mean_std(entry[metric], entry[metric + "_std"], entry[metric + "_n"], digits, scientific)
 
 
 def table_markdown(summary):
@@ -153,11 +144,6 @@ def plot(summary, path):
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def machine_line():
-    return (f"{platform.machine()} CPU, {os.cpu_count()} cores, torch {torch.__version__}, "
-            f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
 
 
 def write_study(run_paths, out_dir, command, num_seqs=64, seq_len=1024, skip=None, study_command=None):

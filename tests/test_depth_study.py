@@ -6,6 +6,9 @@ above the unigram entropy, and H_res sums measured again through capture_connect
 import dataclasses
 import json
 import math
+import os
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +21,7 @@ from dataprep import unigram_entropy
 from model import GPT, GPTConfig
 from residuals import capture_connections
 
+REPO = Path(__file__).resolve().parents[1]
 DATASET, VOCAB, BLOCK = "toy_char", 16, 32
 VARIANTS = ("res", "hc", "mhc", "mhclite")
 DEPTHS, SEEDS, STEPS, WARMUP = (1, 3), (0, 1), 40, 4
@@ -220,3 +224,46 @@ def test_unfinished_and_mixed_length_runs_are_one_line_errors(study, tmp_path, c
     with pytest.raises(SystemExit):
         depth_study.main(["--runs", str(study["paths"]["res", 1, LR, 0]), str(longer), "--out", str(tmp_path / "o")])
     assert "different lengths" in capsys.readouterr().err
+
+
+def row_val(out_root, row):
+    """The last val loss in the run's metrics.jsonl."""
+    records = [json.loads(line) for line in (out_root / os.path.basename(row["run"]) / "metrics.jsonl").open()]
+    return [r["val_loss"] for r in records if "val_loss" in r][-1]
+
+
+@pytest.mark.slow
+def test_the_script_trains_skips_finished_runs_and_keeps_diverged_ones(tmp_path):
+    """scripts/depth_study.sh end to end at 4 steps: seed 0 trains normally; a second call for
+    seeds 0 and 1 with a NaN planted at step 3 (train.py's test hook) skips seed 0's finished runs,
+    keeps seed 1's as diverged and writes the page over all 16."""
+    script = REPO / "scripts" / "depth_study.sh"
+    out_root, doc_dir = tmp_path / "runs", tmp_path / "doc"
+
+    def study(seeds, *overrides):
+        args = ["bash", str(script), "--depths", "1 2", "--lrs", "1e-3", "--seeds", seeds, "--steps", "4",
+                "--jobs", "2", "--out_root", str(out_root), "--doc_dir", str(doc_dir)]
+        proc = subprocess.run(args + (["--", *overrides] if overrides else []), cwd=REPO, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        return proc.stdout
+
+    study("0")
+    printed = study("0 1", "--debug_nan_at_step=3")
+    lines = printed.splitlines()
+    assert sum(line.startswith("skip ") for line in lines) == 8
+    assert sum(line.startswith("diverged ") for line in lines) == 8
+    runs = sorted(p.name for p in out_root.iterdir())
+    assert len(runs) == 16
+    for name in runs:
+        marker = "diverged" if name.endswith("-s1") else "done"
+        assert (out_root / name / marker).exists() and (out_root / name / "wall_s").exists(), name
+    result = json.loads((doc_dir / "depth_study.json").read_text())
+    for row in result["rows"]:  # 4 steps leave seed 0 above the unigram entropy (3.319 nats), also "diverged"
+        if row["seed"] == 1:
+            assert row["diverged_reason"] == "non-finite loss"
+        else:
+            assert row["diverged_reason"] == f"val loss {row_val(out_root, row):.3f} > unigram entropy 3.319"
+    page = (doc_dir / "depth_study.md").read_text()
+    assert page.count("- Diverged: ") == 16 and "| mHC-lite | 2 | 2/2 |" in page
+    assert '--seeds "0 1" --steps 4 --jobs 2 -- --debug_nan_at_step=3\npython analysis/depth_study.py' in page
