@@ -755,7 +755,9 @@ def parse_args(argv):
     parser.add_argument("--stream_dtype", default="float32", choices=["float32", "bfloat16"],
                         help="storage of the HC family's streams (res keeps nanoGPT's fp32 residual)")
     parser.add_argument("--fused_connections", default="off", choices=["on", "off"],
-                        help="Triton kernels (fused_connections.py) for the HC family where they can run (CUDA)")
+                        help="Triton kernels (fused_connections.py) for the HC family where they can run (CUDA; "
+                             "on CPU under TRITON_INTERPRET=1 in the interpreter: a dry run, whose --compile_time "
+                             "seconds are inductor's real work around the kernels and whose step times mean nothing)")
     parser.add_argument("--micro", action=argparse.BooleanOptionalAction, default=True,
                         help="micro-benchmarks: one connection module, and H_res construction alone")
     parser.add_argument("--n_sweep", type=int_list, help="stream counts n: mhclite vs mhc per n (e.g. 4,6,8)")
@@ -808,6 +810,8 @@ def resolve(args):
     if args.kernels and args.device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise BenchError("--kernels times the Triton kernels on CUDA; on CPU it runs only under TRITON_INTERPRET=1 "
                          "(a dry run at tiny shapes)")
+    if args.fused_connections == "on" and args.device_type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        fused_connections.INTERPRET_ON_CPU = True  # a dry run: inductor's work around the kernels is real, times are not
     args.compile_modes = list(COMPILE_MODES) if args.compile_mode == "both" else [args.compile_mode]
     if args.compile_mode == "both" and args.n_sweep:
         raise BenchError("--compile_mode both compares the --residuals variants; run it without --n_sweep")

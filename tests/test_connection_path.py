@@ -108,7 +108,13 @@ def test_train_reports_the_path_that_ran(case, data_dir, tmp_path, monkeypatch, 
 @needs_triton
 @pytest.mark.parametrize("interpret", [False, True])
 def test_bench_records_the_path_that_ran_per_variant(interpret, tmp_path, monkeypatch, capsys, spy, one_thread):
-    monkeypatch.setattr(fused_connections, "INTERPRET_ON_CPU", interpret)
+    """bench.py --fused_connections on --device cpu is a dry run in the interpreter under
+    TRITON_INTERPRET=1 (it turns INTERPRET_ON_CPU on), and takes residuals.py without it."""
+    if interpret and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton's interpreter is off here (a CUDA machine)")
+    monkeypatch.setattr(fused_connections, "INTERPRET_ON_CPU", False)  # restored after the test
+    if not interpret:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     out = tmp_path / "bench.json"
     bench.main(["--size", "tiny", "--device", "cpu", "--batch_size", "1", "--block_size", "8", "--vocab_size", "32",
                 "--steps", "1", "--warmup", "0", "--residuals", "res,mhclite", "--recompute", "off",
@@ -117,5 +123,5 @@ def test_bench_records_the_path_that_ran_per_variant(interpret, tmp_path, monkey
     paths = {name: row["connections"]["path"] for name, row in result["variants"].items()}
     assert paths == {"res": "reference", "mhclite": "fused" if interpret else "reference"}
     assert result["micro"]["connections"]["mhclite"]["connections"]["path"] == paths["mhclite"]
-    assert (len(spy) > 0) == interpret
+    assert (len(spy) > 0) == interpret and fused_connections.INTERPRET_ON_CPU == interpret
     assert bench.connections_line(result["variants"]) in capsys.readouterr().out
