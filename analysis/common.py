@@ -251,6 +251,14 @@ def seed_stats(values):
     return float(values.mean()), float(values.std()) if len(values) > 1 else 0.0, int(len(values))
 
 
+def seed_summary(members, metrics):
+    """{metric, metric_std, metric_n} over the rows `members` (one per seed), by seed_stats."""
+    summary = {}
+    for metric in metrics:
+        summary[metric], summary[metric + "_std"], summary[metric + "_n"] = seed_stats([r[metric] for r in members])
+    return summary
+
+
 def format_mean_std(value, std, count, digits=4, scientific=False):
     """"2.2514 ± 0.0100" (or "5.94e-02 ± 1.2e-03"); the value alone for one seed, "-" for NaN."""
     if math.isnan(value):

@@ -36,7 +36,7 @@ import numpy as np
 from analysis.collect import collect
 from analysis.colsum_box import composite
 from analysis.common import (VARIANT_COLORS, VARIANT_NAMES, VARIANTS, AnalysisError, find_runs, format_mean_std,
-                             load_collected, machine_line, seed_stats)
+                             load_collected, machine_line, seed_summary)
 from analysis.nu_hist import log_inv_nu
 from checkpoint import CheckpointError, load_model
 from dataprep import unigram_entropy
@@ -139,9 +139,7 @@ def summarise(rows):
         members = sorted(by_setting[key], key=lambda r: r["seed"])
         entry = dict(variant=key[0], depth=key[1], lr=key[2], seeds=[r["seed"] for r in members],
                      diverged=sum(r["diverged"] for r in members))
-        for metric in METRICS:
-            entry[metric], entry[metric + "_std"], entry[metric + "_n"] = seed_stats([r[metric] for r in members])
-        summary.append(entry)
+        summary.append({**entry, **seed_summary(members, METRICS)})
     return summary
 
 

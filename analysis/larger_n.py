@@ -31,7 +31,7 @@ import numpy as np
 from analysis.collect import collect
 from analysis.colsum_box import sum_stats
 from analysis.common import (VARIANT_COLORS, VARIANT_NAMES, AnalysisError, after_warmup, find_runs,
-                             format_mean_std, machine_line, seed_stats)
+                             format_mean_std, machine_line, seed_summary)
 from checkpoint import CheckpointError, load_model
 
 STUDY_VARIANTS = ("res", "mhc", "mhclite")
@@ -97,9 +97,7 @@ def summarise(rows):
         members = sorted(by_config[config], key=lambda r: r["seed"])
         entry = dict(config=config, label=label(config), seeds=[r["seed"] for r in members],
                      step=members[0]["step"], connection_params=members[0]["connection_params"])
-        for metric in METRICS:
-            entry[metric], entry[metric + "_std"], entry[metric + "_n"] = seed_stats([r[metric] for r in members])
-        summary.append(entry)
+        summary.append({**entry, **seed_summary(members, METRICS)})
     return summary
 
 
