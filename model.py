@@ -16,8 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fused_connections
-from residuals import (H_RES_DTYPES, MIXING_DTYPES, RESIDUALS, RMS_EPS, SINKHORN_ORDERS, at_least_fp32,
-                       expand_streams, reduce_streams)
+from residuals import (H_RES_DTYPES, MIXING_DTYPES, RESIDUALS, RMS_EPS, SINKHORN_ORDERS, ManifoldHyperConnection,
+                       at_least_fp32, expand_streams, reduce_streams)
 
 MODEL_SIZES = {
     "tiny": dict(n_layer=4, n_head=4, n_embd=128),  # ours: a CPU demo and test model
@@ -38,14 +38,32 @@ COMPILE_MODES = ("model", "blocks")
 DEFAULT_COMPILE_MODE = "model"  # train.py's and bench.py's
 
 
+SHARED_SINKHORN_TORCH = "2.13"  # checked against eager there (tests/test_model.py); not on 2.11
+
+
+def shares_compiled_sinkhorn(options) -> bool:
+    """Whether compile_model with these torch.compile options gives mhc one compiled Sinkhorn: it
+    needs inductor's own options (no `mode`, which excludes them) and a torch where it was checked."""
+    return (options.get("backend", "inductor") == "inductor" and "mode" not in options
+            and torch.__version__ >= SHARED_SINKHORN_TORCH)
+
+
 def compile_model(model, mode, **options):
     """torch.compile the whole model ("model"), or each transformer Block and the output head
     ("blocks", regional compilation). Every Block runs the same code on same-shaped inputs, and its
     per-layer differences are parameter values, so all layers share the code compiled for the first:
-    compile time no longer grows with the number of layers. options go to torch.compile. Returns
-    what to call for forward."""
+    compile time no longer grows with the number of layers. With inductor, mhc's reference-path
+    connections also share one compiled Sinkhorn (residuals.shared_sinkhorn), with inductor's
+    buffer reuse off, which that needs. options go to torch.compile. Returns what to call for
+    forward."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"unknown compile mode '{mode}'; valid: {', '.join(COMPILE_MODES)}")
+    sinkhorn_users = [m for m in model.connections() if isinstance(m, ManifoldHyperConnection)]
+    on_reference_path = model.connection_path(next(model.parameters()).device)["path"] == "reference"
+    if sinkhorn_users and on_reference_path and shares_compiled_sinkhorn(options):
+        for connection in sinkhorn_users:
+            connection.share_compiled_sinkhorn = True
+        options["options"] = {**options.get("options", {}), "allow_buffer_reuse": False}
     if mode == "model":
         return torch.compile(model, **options)
     for block in model.transformer.h:

@@ -62,9 +62,9 @@ def sinkhorn(logits: torch.Tensor, iters: int = 20, order: str = "cols_then_rows
     column to sum 1, then every row, so after any number of iterations the rows are exact and the
     column sums carry the approximation error. "rows_then_cols" is the authors' code (which runs
     cols-then-rows on the transposed matrix): the columns are exact.
-    Runs in fp32 (or float64 when given float64) and returns that dtype. It is deliberately not
-    a torch.compiler.nested_compile_region: with torch 2.13's inductor that halves mhc's cold
-    compile but returns wrong gradients (tests/test_model.py checks inductor against eager).
+    Runs in fp32 (or float64 when given float64) and returns that dtype. Under torch.compile each
+    call site compiles its own copy of the 40 log-sum-exps; `shared_sinkhorn` below is one copy for
+    every call site.
     """
     if order not in SINKHORN_ORDERS:
         raise ValueError(f"unknown sinkhorn_order '{order}'; valid: {', '.join(SINKHORN_ORDERS)}")
@@ -74,6 +74,15 @@ def sinkhorn(logits: torch.Tensor, iters: int = 20, order: str = "cols_then_rows
         log_p = log_p - torch.logsumexp(log_p, dim=first, keepdim=True)
         log_p = log_p - torch.logsumexp(log_p, dim=second, keepdim=True)
     return log_p.exp()
+
+
+# The same function as a nested compile region: torch.compile compiles it once and every mhc
+# connection calls that code (mhc's whole-model cold compile at S: 244 -> 84 s on CPU). Eager it is
+# plain sinkhorn. It is correct only with inductor's buffer reuse off: torch 2.13 does not know that
+# the region's saved-for-backward outputs alias its inputs, reuses that memory in the outer graph
+# and returns wrong gradients. So connections use it only when model.compile_model, which turns
+# that reuse off, sets `share_compiled_sinkhorn`.
+shared_sinkhorn = torch.compiler.nested_compile_region(sinkhorn)
 
 
 PERM_SAMPLINGS = ("uniform", "cover")
@@ -426,6 +435,7 @@ class ManifoldHyperConnection(ManifoldConnectionBase):
     """mhc: h_res = Sinkhorn-Knopp(exp(mat(logits))) with a fixed number of iterations and order."""
 
     name = "mhc"
+    share_compiled_sinkhorn = False  # True: call shared_sinkhorn (set by model.compile_model)
 
     def __init__(self, width, n_streams, wrapper_index, recompute=False, rms_eps=RMS_EPS, stream_index=None,
                  mixing_dtype="float32", sinkhorn_iters: int = 20, sinkhorn_order: str = "cols_then_rows"):
@@ -444,7 +454,8 @@ class ManifoldHyperConnection(ManifoldConnectionBase):
 
     def residual_matrix(self, logits, matmul_dtype=None):
         logits = logits.unflatten(-1, (self.n_streams, self.n_streams))
-        return {"h_res": sinkhorn(logits, self.sinkhorn_iters, self.sinkhorn_order), "logits": logits}
+        project = shared_sinkhorn if self.share_compiled_sinkhorn else sinkhorn
+        return {"h_res": project(logits, self.sinkhorn_iters, self.sinkhorn_order), "logits": logits}
 
 
 class ManifoldHyperConnectionLite(ManifoldConnectionBase):

@@ -2,8 +2,9 @@
 
 import pytest
 import torch
+from torch._inductor.utils import run_and_get_code
 
-from model import GPT, MODEL_SIZES, GPTConfig, compile_model, model_shape
+from model import GPT, MODEL_SIZES, GPTConfig, compile_model, model_shape, shares_compiled_sinkhorn
 from residuals import capture_connections
 
 VOCAB, BLOCK = 97, 32
@@ -286,24 +287,38 @@ def test_blocks_compile_one_graph_for_every_layer(residual, graph_counter):
 @pytest.mark.parametrize("compile_mode", ["model", "blocks"])
 @pytest.mark.parametrize("residual", ["hc", "mhc", "mhclite"])
 def test_inductor_compiled_gradients_match_eager(residual, compile_mode):
-    """Inductor itself, not only AOTAutograd, compiling the whole model or block by block: with
-    sinkhorn as a nested compile region, inductor (torch 2.13, CPU) returned mhc gradients ~1e3
-    times too large while the loss matched."""
+    """Inductor itself, not only AOTAutograd, compiling the whole model or block by block. mhc's
+    connections share one compiled Sinkhorn, a nested compile region; with inductor's buffer reuse
+    on, torch 2.13 overwrites what that region saved for backward, and the gradients come out
+    wrong (bias_res ~1e11 times too large) while the loss matches."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=16, vocab_size=64, residual=residual, n_layer=2, n_head=2, n_embd=32))
+    n_layer = 2
+    model = GPT(GPTConfig(block_size=16, vocab_size=64, residual=residual, n_layer=n_layer, n_head=2, n_embd=32))
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in (p for m in model.connections() for p in m.parameters()):
             p.add_(0.3 * torch.randn(p.shape, generator=generator))
     idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     losses, grads = [], []
-    for compiled in (False, True):  # "blocks" compiles the model in place: eager first
-        run = compile_model(model, compile_mode, fullgraph=True) if compiled else model
+
+    def step(run):
         model.zero_grad(set_to_none=True)
         _, loss = run(idx, idx)
         loss.backward()
-        losses.append(loss.detach())
-        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        return loss
+
+    losses.append(step(model).detach())  # "blocks" compiles the model in place: eager first
+    grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    run = compile_model(model, compile_mode, fullgraph=True)
+    loss, code = run_and_get_code(step, run)
+    losses.append(loss.detach())
+    grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
     assert (grads[1] - grads[0]).norm() <= 1e-5 * grads[0].norm()
+    if residual == "mhc" and shares_compiled_sinkhorn({}):  # one Sinkhorn, called by every connection
+        generated = "\n".join(code)
+        calls = 2 * n_layer if compile_mode == "model" else 2
+        assert generated.count("def partitioned_fw_subgraph_0_0(") == 1
+        assert generated.count("= partitioned_fw_subgraph_0_0(") == calls
+        assert "partitioned_fw_subgraph_1" not in generated
