@@ -285,8 +285,8 @@ def test_blocks_compile_one_graph_for_every_layer(residual, graph_counter):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("compile_mode", ["model", "blocks"])
-@pytest.mark.parametrize("residual", ["hc", "mhc", "mhclite"])
-def test_inductor_compiled_gradients_match_eager(residual, compile_mode):
+@pytest.mark.parametrize("residual, recompute", [("hc", False), ("mhc", False), ("mhclite", False), ("mhc", True)])
+def test_inductor_compiled_gradients_match_eager(residual, recompute, compile_mode):
     """Inductor itself, not only AOTAutograd, compiling the whole model or block by block. mhc's
     connections share one compiled Sinkhorn, a nested compile region; with inductor's buffer reuse
     on, torch 2.13 overwrites what that region saved for backward, and the gradients come out
@@ -294,7 +294,8 @@ def test_inductor_compiled_gradients_match_eager(residual, compile_mode):
     torch._dynamo.reset()
     torch.manual_seed(0)
     n_layer = 2
-    model = GPT(GPTConfig(block_size=16, vocab_size=64, residual=residual, n_layer=n_layer, n_head=2, n_embd=32))
+    model = GPT(GPTConfig(block_size=16, vocab_size=64, residual=residual, n_layer=n_layer, n_head=2, n_embd=32,
+                          recompute_connections=recompute))
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in (p for m in model.connections() for p in m.parameters()):
@@ -318,7 +319,8 @@ def test_inductor_compiled_gradients_match_eager(residual, compile_mode):
     assert (grads[1] - grads[0]).norm() <= 1e-5 * grads[0].norm()
     if residual == "mhc" and shares_compiled_sinkhorn({}):  # one Sinkhorn, called by every connection
         generated = "\n".join(code)
+        copies = 2 if recompute else 1  # the backward graph recomputes it with its own copy
         calls = 2 * n_layer if compile_mode == "model" else 2
-        assert generated.count("def partitioned_fw_subgraph_0_0(") == 1
-        assert generated.count("= partitioned_fw_subgraph_0_0(") == calls
+        assert generated.count("def partitioned_fw_subgraph_0_0(") == copies
+        assert generated.count("= partitioned_fw_subgraph_0_0(") == copies * calls
         assert "partitioned_fw_subgraph_1" not in generated
