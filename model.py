@@ -38,7 +38,7 @@ COMPILE_MODES = ("model", "blocks")
 DEFAULT_COMPILE_MODE = "model"  # train.py's and bench.py's
 
 
-SHARED_SINKHORN_TORCH = "2.13"  # checked against eager there (tests/test_model.py); not on 2.11
+SHARED_SINKHORN_TORCH = "2.13"  # checked against eager there (tests/test_model.py); never on 2.11
 
 
 def shares_compiled_sinkhorn(options) -> bool:

@@ -77,7 +77,7 @@ def sinkhorn(logits: torch.Tensor, iters: int = 20, order: str = "cols_then_rows
 
 
 # The same function as a nested compile region: torch.compile compiles it once and every mhc
-# connection calls that code (mhc's whole-model cold compile at S: 244 -> 84 s on CPU). Eager it is
+# connection calls that code (mhc's whole-model cold compile at S: 244 -> 76 s on CPU). Eager it is
 # plain sinkhorn. It is correct only with inductor's buffer reuse off: torch 2.13 does not know that
 # the region's saved-for-backward outputs alias its inputs, reuses that memory in the outer graph
 # and returns wrong gradients. So connections use it only when model.compile_model, which turns
