@@ -1,6 +1,6 @@
 """Prepare FineWeb-Edu (HuggingFaceFW/fineweb-edu, sample-10BT) as GPT-2 BPE train.bin / val.bin + meta.json.
 
-python prepare_fineweb_edu.py                      # from the Hugging Face hub (~10B tokens)
+python prepare_fineweb_edu.py                      # from the Hugging Face hub (sizes: docs/data.md)
 python prepare_fineweb_edu.py --data_files a.jsonl # offline, from local files with a 'text' column
 """
 

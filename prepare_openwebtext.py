@@ -1,6 +1,6 @@
 """Prepare OpenWebText (Skylion007/openwebtext) as GPT-2 BPE train.bin / val.bin + meta.json.
 
-python prepare_openwebtext.py                      # from the Hugging Face hub (~9B train tokens)
+python prepare_openwebtext.py                      # from the Hugging Face hub (sizes: docs/data.md)
 python prepare_openwebtext.py --data_files a.jsonl # offline, from local files with a 'text' column
 """
 

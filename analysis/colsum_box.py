@@ -1,8 +1,7 @@
-"""Boxplots of H_res column sums (paper Fig. "Column sums of H_res"), from collect.py files:
-per matrix (every wrapper and token) and for the composite over all wrappers in forward order,
-H_{W-1} @ ... @ H_0 per token (float64), the map from the input streams to the output streams
-under x_next = H x. hc, mhc and mhclite side by side, all measured. Box statistics use all data;
-only the drawn outliers are a seeded subsample. Prints max |colsum - 1| and max |rowsum - 1|.
+"""Boxplots of H_res column sums (the paper's figure) from collect.py files, for hc, mhc and mhclite:
+per matrix, and for the product over all wrappers in forward order (per token, float64: the map from
+the input streams to the output streams). Box statistics use all values; only the drawn outliers are
+a seeded subsample. Prints max |colsum - 1| and max |rowsum - 1|.
 
     python analysis/colsum_box.py --npz out/analysis/collect/*.npz --out out/analysis
 """

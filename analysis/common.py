@@ -270,9 +270,11 @@ def format_mean_std(value, std, count, digits=4, scientific=False):
 
 
 def machine_line():
+    """The machine in one line. It names the vector instructions torch's CPU kernels use (AVX2,
+    AVX512, ...), since they choose the floating-point path and so the bits of a run."""
     import torch  # only the study pages need it; the other scripts stay torch-free at import
-    return (f"{platform.machine()} CPU, {os.cpu_count()} cores, torch {torch.__version__}, "
-            f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
+    return (f"{platform.machine()} CPU ({torch.backends.cpu.get_cpu_capability()} kernels), {os.cpu_count()} cores, "
+            f"torch {torch.__version__}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
 
 
 COLLECT_METADATA = ("residual", "dataset", "size", "run_seed", "n_layer", "n_streams", "step", "num_seqs",

@@ -1,19 +1,8 @@
-"""The depth study: how the HC family's deviations from doubly stochastic grow with depth, and
-whether they turn into unstable training. From run directories (res, hc, mhc and mhclite at several
-depths, learning rates and seeds, as scripts/depth_study.sh trains them) it reports per run:
-
-- final val loss (the last evaluation);
-- diverged: a non-finite loss or gradient norm (train.py stops the run), or a final val loss above
-  the unigram entropy of the val split (what a model that ignores context reaches);
-- gradient-norm spikes: steps whose norm (before clipping) exceeds `--spike_factor` times the median
-  of the `--spike_window` steps before it; max and median gradient norm after warm-up;
-- on the first `--num_seqs` x `--seq_len` tokens of the val split, through capture_connections
-  (analysis/collect.py): max |row sum - 1| and |column sum - 1| over every H_res and token, and of
-  the product of all H_res over depth per token (max and median); mhc's log(1/nu) (median, max).
-
-Per (variant, depth, learning rate) it gives the mean and std over seeds. It writes
-<out>/depth_study.md (tables, findings, figures, the command), depth_study_colsum.png,
-depth_study_grad_norm.png, depth_study_val_loss.png and depth_study.json.
+"""The depth study: do the HC family's deviations from doubly stochastic grow with depth, and does
+training turn unstable? From the runs of scripts/depth_study.sh it measures per run the val loss,
+divergence, gradient-norm spikes and the row and column sums of every H_res and of their product over
+depth (on held-out text), and writes depth_study.md with the mean and std over seeds, its figures and
+depth_study.json.
 
     python analysis/depth_study.py --runs 'out/depth_study/*' --out docs
 """
@@ -453,7 +442,12 @@ def write_study(run_paths, out_dir, command, num_seqs=16, seq_len=128, spike_fac
         md += [f"### {lr_label(lr)}\n", table_markdown(summary, lr)]
     md += ["## Reproduce\n",
            "```bash\n" + (study_command + "\n" if study_command else "") + command + "\n```\n",
-           f"Measured on: {machine_line()}" + (f"; {'; '.join(timing)}." if timing else ".") + "\n"]
+           f"Measured on: {machine_line()}" + (f"; {'; '.join(timing)}." if timing else ".") + "\n",
+           "## Where the result depends on the machine\n",
+           "Every run is seeded, so a rerun on the same machine is bit-identical. Another CPU can take another "
+           "floating-point path (other vector instructions, other reduction orders), and at a high learning rate "
+           "that can move a single run about as much as the seed does: the statements across seeds (means, seed "
+           "spread, differences against it) are the result, a single run is one draw.\n"]
     path = os.path.join(out_dir, "depth_study.md")
     with open(path, "w") as f:
         f.write("\n".join(md))

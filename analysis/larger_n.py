@@ -1,15 +1,8 @@
-"""The larger-n study: mHC with Sinkhorn against mHC-lite with all n! or a sampled subset of K
-permutation matrices, at several stream counts n. From run directories (any mix of mhc, mhclite
-and, as a reference, res) it reports, per configuration and averaged over seeds:
-
-- final validation loss (the last evaluation of each run);
-- median training step time after warm-up (from metrics.jsonl);
-- parameters of the connections (mHC-lite's W_res is nC x K, so K costs parameters);
-- max |column sum - 1| and max |row sum - 1| of H_res, per matrix and for the product over all
-  wrappers in forward order, measured on the checkpoint with analysis/collect.py.
-
-It writes <out>/larger_n.md (a table, the figure, the command and the machine), larger_n.png
-and larger_n.json.
+"""The larger-n study: mHC (Sinkhorn) against mHC-lite with all n! or K sampled permutation matrices,
+at several stream counts n. From the runs of scripts/larger_n_study.sh it reports per configuration,
+over seeds: val loss, median step time, the connections' parameters and the row and column sums of
+H_res per matrix and over the product of all wrappers; it writes larger_n.md, larger_n.png and
+larger_n.json.
 
     python analysis/larger_n.py --runs out/larger_n/* --out docs
 """

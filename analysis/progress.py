@@ -1,11 +1,8 @@
-"""One status line for the runs still training, from their config.json and metrics.jsonl: steps
-done of max_iters, latest train loss, and the time left at the latest logged step time (evals
-not counted, so it is an estimate; "finishing" once the last step is done). Runs not started
-yet (no config.json) or finished (a `done` marker) are left out; with none left nothing is
-printed. scripts/demo.sh calls it periodically.
+"""One status line for the runs still training: steps done, latest train loss and the time left at
+the latest logged step time (an estimate: evals are not counted). Runs not started (no config.json)
+or finished (a `done` marker) are left out; scripts/demo.sh calls it periodically.
 
     python analysis/progress.py out/demo/mhc out/demo/res out/demo/hc out/demo/mhclite
-    -> mhc 120/500, loss 2.531, ~1:52 left | res 300/500, loss 2.412, ~0:56 left
 """
 import argparse
 import json

@@ -1,13 +1,8 @@
-"""Training throughput per variant from metrics.jsonl: mean tokens/s over each run after a
-warm-up (`--skip` logged steps, default the first 10% of each run), as a bar chart with the ratio
-to res. One PNG per (dataset, size) group. Runs are only comparable when they ran on the same
-hardware; bench.py measures the variants side by side.
-
-Compilation never enters the mean: train.py times the first step of every start and resume on
-its own (first_step_s records) and leaves it out of the logged tokens/s, logging null where a
-window held nothing else; nulls are skipped here. The first step of each run's start (its
-compile time under torch.compile) is printed next to the throughput. Logs written before
-train.py did this carry the compile in their first window after each start or resume.
+"""Training throughput per variant from metrics.jsonl: mean tokens/s of each run after a warm-up
+(`--skip` logged steps, default the first 10%), as a bar chart with the ratio to res, one per
+(dataset, size) group. The first step of every start and resume (its compilation) is logged apart
+by train.py, so it never enters the mean; it is printed next to the throughput. Runs compare only on
+the same hardware; bench.py measures the variants side by side.
 
     python analysis/throughput.py --runs out/* --out out/analysis
 """

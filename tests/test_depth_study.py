@@ -201,6 +201,9 @@ def test_page_embeds_figures_tables_command_and_time(study, written):
         assert figure.stat().st_size > 10_000 and f"({figure.name})" in page
     assert "bash scripts/depth_study.sh --jobs 2\npython analysis/depth_study.py --runs" in page
     assert "the trainings took 10.0 min of wall time" in page
+    # the CPU's vector instructions pick the floating-point path, so the page names them
+    assert f"CPU ({torch.backends.cpu.get_cpu_capability()} kernels)" in page
+    assert "## Where the result depends on the machine" in page
     assert "- Diverged: mHC, 3 layers, lr 0.01, seed 0 (non-finite loss)." in page
     assert "### lr 0.001" in page and "### lr 0.01" in page
     mhc = entry_of(written, "mhc", 3, LR)
