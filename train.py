@@ -436,8 +436,8 @@ def log(message):
 
 class StopFlag:
     """Records SIGTERM / SIGINT so the loop can stop at the next step boundary, save and exit
-    with 128 + the signal number (under torchrun the launcher passes the signal on). All ranks
-    agree on it through a CPU (gloo) all-reduce, which never waits for the GPU."""
+    with 128 + the signal number (torchrun passes the signal on to its workers and itself exits
+    with 1). All ranks agree on it through a CPU (gloo) all-reduce, which never waits for the GPU."""
 
     def __init__(self, ddp, device):
         self.signum = 0
