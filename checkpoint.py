@@ -68,8 +68,8 @@ def _locked_temp_file(path):
 
 def remove_stale_temp_files(path):
     """Delete the temporary files that save_checkpoint(path, ...) left when its process died
-    mid-save (kill -9, out of memory, a lost node); at size M each is 1.5 GB. A file whose
-    exclusive flock can be taken has no live writer; one still locked is kept. Returns
+    mid-save (kill -9, out of memory, a lost node); each is as large as a checkpoint. A file
+    whose exclusive flock can be taken has no live writer; one still locked is kept. Returns
     (number of files removed, bytes freed)."""
     directory = os.path.dirname(os.path.abspath(path))
     pattern = re.compile(re.escape(os.path.basename(path)) + r"\.\w+\.tmp")

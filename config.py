@@ -45,7 +45,7 @@ CHOICES = {
 
 
 # Valid ranges of the numeric settings: (key, test, requirement as the error states it).
-# Unset optional settings (None) are skipped; debug_nan_at_step is a test hook, any int.
+# Unset optional settings (None) are skipped.
 RANGES = (
     ("n_streams", lambda v: v >= 1, ">= 1"),
     ("mhclite_perms", lambda v: v >= 1, ">= 1 (or None: all n! permutations)"),
@@ -73,6 +73,13 @@ RANGES = (
     ("peak_flops", lambda v: v > 0, "> 0 (or None: looked up from the GPU name)"),
     ("seed", lambda v: 0 <= v < 2**31, "in [0, 2**31) (numpy seeds rank r with seed + r)"),
 )
+
+
+# Settings that no longer exist, and what replaces them.
+REMOVED_KEYS = {
+    "debug_nan_at_step": "it was a test-only hook; tests now make a step's loss non-finite by patching "
+                         "train.train_step",
+}
 
 
 class ConfigError(ValueError):
@@ -139,8 +146,6 @@ class TrainConfig:
     wandb_log: bool = False
     wandb_project: str = "mhc-lite"
     wandb_run_name: typing.Optional[str] = None  # None: the out_dir name
-    # test-only: make the loss NaN at this step to exercise the non-finite-loss stop (-1: off)
-    debug_nan_at_step: int = -1
 
 
 FIELD_TYPES = typing.get_type_hints(TrainConfig)
@@ -200,6 +205,8 @@ PARSERS = {bool: _parse_bool, int: _parse_int, float: _parse_float, str: _parse_
 def coerce(key, value):
     """Convert `value` (a string from the command line or a literal from a file) to the type of
     field `key`; raises ConfigError naming the field and the expected type."""
+    if key in REMOVED_KEYS:
+        raise ConfigError(f"{key} was removed: {REMOVED_KEYS[key]}")
     if key not in FIELD_TYPES:
         valid = ", ".join(f.name for f in fields(TrainConfig))
         raise ConfigError(f"unknown config key '{key}'; valid keys: {valid}")

@@ -1,37 +1,12 @@
-"""Train a GPT with a switchable residual connection (res, hc, mhc, mhclite); the paper's setup.
+"""Train a GPT with a switchable residual connection: res, hc, mhc or mhclite.
 
-One GPU or CPU:   python train.py configs/owt.py configs/S.py configs/mhclite.py
-8 GPUs (DDP):     torchrun --standalone --nproc_per_node=8 train.py configs/owt.py configs/M.py configs/mhc.py
-Resume:           the same command plus --init_from=resume (continues the exact trajectory)
-All settings:     python train.py --help
+One GPU or CPU:  python train.py configs/owt.py configs/S.py configs/mhclite.py
+8 GPUs (DDP):    torchrun --standalone --nproc_per_node=8 train.py configs/owt.py configs/M.py configs/mhc.py
+Resume:          the same command plus --init_from=resume (continues the exact trajectory)
 
-Config files are applied left to right, then --key=value overrides (see config.py).
-
-Data: every optimizer step draws its global batch, batch_size * gradient_accumulation_steps
-sequences, from one generator seeded with `seed` that every rank advances identically; rank r
-trains on rows [r * accum, (r + 1) * accum) of it, accum = gradient_accumulation_steps / world
-size. So the global batch of a step is the same set of sequences on 1 GPU or 8, and the
-generator state saved in the checkpoint is the data position for any world size. Evaluation uses
-a fixed set of eval_iters batches per split, drawn once from their own seeded generators and
-shared out over the ranks, so successive evals (and resumed runs) measure the same data.
-
-Metrics: rank 0 writes one JSON line per step and per eval to <out_dir>/metrics.jsonl. Per-step
-loss and grad norm stay on the device until every log_interval steps (and before each eval or
-checkpoint), when they are copied to the host in one go; step_ms and tokens_per_s are the
-wall-clock average over those steps, the only points where the host waits for the device.
-The first optimizer step of every process (a fresh start or a resume) compiles the model under
-torch.compile, so it is timed on its own, between two device synchronizations, and logged once
-as {"step": s, "first_step_s": seconds, "compiled": bool} next to its step's ordinary record.
-The window holding it averages its other steps only; a window holding nothing else (log_interval
-1) logs null tokens_per_s, step_ms and mfu. The console shows the first step's time on its own line.
-
-Stopping: SIGTERM or SIGINT lets the current step finish, saves a checkpoint and exits with code
-128 + signal number (143 for SIGTERM, 130 for SIGINT), so a calling script can stop too. Under
-torchrun the launcher passes the signal on, kills workers still saving after 30 s, and exits 1.
-A non-finite loss or gradient norm (seen when the step metrics reach the host, at most
-log_interval steps later; every checkpoint save waits for that check) stops the run with exit
-code 1, so ckpt.pt stays the last good checkpoint. Bad input exits with code 2 and one `error:`
-line. A finished run leaves the marker file <out_dir>/done.
+Config files apply left to right, then --key=value overrides (config.py). Rank 0 writes
+<out_dir>/metrics.jsonl, ckpt.pt and, when finished, the marker file `done`. Exit codes: 0 done,
+1 non-finite loss, 2 bad input, 128 + signal number after SIGTERM or SIGINT (checkpoint saved).
 """
 
 import contextlib
@@ -43,7 +18,8 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import asdict, fields
+import typing
+from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 import torch
@@ -80,8 +56,22 @@ class NonFiniteError(Exception):
 # Distributed setup and devices
 
 
+@dataclass(frozen=True)
+class World:
+    """This process's place in the run: under DDP or not, its rank, the number of processes and
+    its device."""
+    ddp: bool
+    rank: int
+    size: int
+    device: torch.device
+
+    @property
+    def master(self):
+        return self.rank == 0
+
+
 def setup_distributed(cfg):
-    """(ddp, rank, world_size, device) from torchrun's environment variables."""
+    """The World from torchrun's environment variables (one process without them)."""
     ddp = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     rank = int(os.environ["RANK"]) if ddp else 0
     world_size = int(os.environ["WORLD_SIZE"]) if ddp else 1
@@ -98,16 +88,15 @@ def setup_distributed(cfg):
         torch.cuda.set_device(device)
     if ddp:
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-    return ddp, rank, world_size, device
+    return World(ddp, rank, world_size, device)
 
 
 @contextlib.contextmanager
 def tf32_matmuls():
-    """As nanoGPT: float32 matmuls and convolutions on CUDA run on TF32 tensor cores (10-bit
-    mantissa operands, fp32 accumulation). That touches only float32 work outside bf16 autocast,
-    e.g. --dtype=float32 on Ampere or newer. mhclite's H_res stays exactly doubly stochastic:
-    residuals.py combines the permutation matrices without a matmul. The previous flags come
-    back on exit, so an in-process caller (a test) keeps its own precision."""
+    """As nanoGPT: float32 matmuls on CUDA run on TF32 tensor cores, which touches only float32
+    work outside bf16 autocast. mhclite's H_res stays exactly doubly stochastic: residuals.py
+    combines the permutation matrices without a matmul. The previous flags come back on exit, so
+    an in-process caller (a test) keeps its own precision."""
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     try:
@@ -182,10 +171,19 @@ def draw_offsets(generator, path, block_size, n_sequences):
 def step_offsets(generator, path, cfg, rank, world_size):
     """This rank's share of one optimizer step's global batch, as (micro-steps, batch_size)
     window starts. Every rank draws the whole global batch, so the generator advances the same
-    way everywhere and the global batch does not depend on the world size."""
+    way everywhere: the global batch, and the generator state a checkpoint saves as the data
+    position, do not depend on the world size."""
     accum = cfg.gradient_accumulation_steps // world_size
     offsets = draw_offsets(generator, path, cfg.block_size, cfg.gradient_accumulation_steps * cfg.batch_size)
     return offsets.view(cfg.gradient_accumulation_steps, cfg.batch_size)[rank * accum:(rank + 1) * accum]
+
+
+def eval_batches(cfg, paths):
+    """{split: (path, window starts of eval_iters batches)}, drawn once from the split's own
+    seeded generator, so successive evals and resumed runs measure the same data."""
+    return {split: (paths[split], draw_offsets(make_generator(cfg.seed, stream), paths[split], cfg.block_size,
+                                               cfg.eval_iters * cfg.batch_size).view(cfg.eval_iters, cfg.batch_size))
+            for split, stream in EVAL_STREAMS.items()}
 
 
 def get_batch(path, offsets, block_size, device):
@@ -200,7 +198,7 @@ def get_batch(path, offsets, block_size, device):
 
 
 # ----------------------------------------------------------------------------------------------
-# Schedule, evaluation, metrics
+# The training step
 
 
 def get_lr(it, cfg):
@@ -213,23 +211,130 @@ def get_lr(it, cfg):
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.learning_rate - cfg.min_lr)
 
 
+@dataclass
+class TrainState:
+    """The run's state: what a checkpoint holds besides the settings (the model, unwrapped, its
+    optimizer, the training-batch generator as the data position, the optimizer steps done and
+    the best val loss) and the step of the checkpoint on disk (None before the first save)."""
+    model: GPT
+    optimizer: torch.optim.Optimizer
+    train_generator: torch.Generator
+    step: int = 0
+    best_val_loss: float = math.inf
+    saved_step: typing.Optional[int] = None
+
+
+def train_step(train_model, state, path, offsets, lr, ctx, cfg, world):
+    """One optimizer step on this rank's micro-batches (window starts `offsets`): forward and
+    backward with gradient accumulation, clipping, the update. Returns the step's mean loss over
+    all ranks and the gradient norm before clipping, both left on the device."""
+    for group in state.optimizer.param_groups:
+        group["lr"] = lr
+    accum = len(offsets)
+    loss_sum = torch.zeros((), device=world.device)
+    x, y = get_batch(path, offsets[0], cfg.block_size, world.device)
+    for micro in range(accum):
+        last_micro = micro == accum - 1
+        # DDP averages gradients over the ranks only on the last micro-step
+        with train_model.no_sync() if world.ddp and not last_micro else contextlib.nullcontext():
+            with ctx:
+                _, loss = train_model(x, y)
+            if not last_micro:  # fetch the next micro-batch while the device works
+                x, y = get_batch(path, offsets[micro + 1], cfg.block_size, world.device)
+            (loss / accum).backward()
+        loss_sum += loss.detach().float()
+    grad_norm = torch.nn.utils.clip_grad_norm_(state.model.parameters(),
+                                               cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+    state.optimizer.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    if world.ddp:
+        dist.all_reduce(loss_sum)
+    return loss_sum / cfg.gradient_accumulation_steps, grad_norm
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation and checkpoints
+
+
 @torch.no_grad()
-def evaluate(model, eval_sets, cfg, ctx, device, ddp, rank, world_size):
+def evaluate(model, eval_sets, ctx, cfg, world):
     """Mean loss over each split's fixed eval batches; the ranks share the batches out."""
     model.eval()
     losses = {}
     for split, (path, offsets) in eval_sets.items():
-        total = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, batch count
-        for i in range(rank, cfg.eval_iters, world_size):
-            x, y = get_batch(path, offsets[i], cfg.block_size, device)
+        total = torch.zeros(2, dtype=torch.float64, device=world.device)  # loss sum, batch count
+        for i in range(world.rank, cfg.eval_iters, world.size):
+            x, y = get_batch(path, offsets[i], cfg.block_size, world.device)
             with ctx:
                 _, loss = model(x, y)
-            total += torch.stack([loss.double(), torch.ones((), dtype=torch.float64, device=device)])
-        if ddp:
+            total += torch.stack([loss.double(), torch.ones((), dtype=torch.float64, device=world.device)])
+        if world.ddp:
             dist.all_reduce(total)
         losses[split] = (total[0] / total[1]).item()
     model.train()
     return losses
+
+
+def evaluate_and_save(model, eval_sets, state, ctx, cfg, world, metrics, ckpt_path):
+    """Evaluate at state.step, log it, and save a checkpoint when the val loss improved (or on
+    always_save_checkpoint)."""
+    losses = evaluate(model, eval_sets, ctx, cfg, world)
+    if not all(math.isfinite(v) for v in losses.values()):
+        raise NonFiniteError(f"non-finite eval loss at step {state.step} ({losses})")
+    metrics.write([dict(step=state.step, eval_train_loss=losses["train"], val_loss=losses["val"])])
+    if world.master:
+        log(f"eval step {state.step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+    improved = losses["val"] < state.best_val_loss
+    state.best_val_loss = min(state.best_val_loss, losses["val"])
+    if improved or cfg.always_save_checkpoint:
+        save_run(ckpt_path, state, cfg, world)
+
+
+def save_run(path, state, cfg, world):
+    """Every rank calls it, as each rank's RNG states go into the checkpoint; rank 0 writes it."""
+    rng = [rng_state(world.device)]
+    if world.ddp:
+        rng = [None] * world.size
+        dist.all_gather_object(rng, rng_state(world.device))
+    if world.master:
+        save_checkpoint(path, dict(
+            model=state.model.state_dict(), model_args=asdict(state.model.config), config=asdict(cfg),
+            optimizer=state.optimizer.state_dict(), step=state.step, best_val_loss=state.best_val_loss,
+            rng=rng, data_state=dict(train_generator=state.train_generator.get_state())))
+    state.saved_step = state.step
+
+
+def restore_run(state, ckpt, world):
+    """Continue from a checkpoint whose weights the model already holds."""
+    state.optimizer.load_state_dict(ckpt["optimizer"])
+    state.train_generator.set_state(ckpt["data_state"]["train_generator"])
+    set_rng_state(ckpt["rng"][world.rank % len(ckpt["rng"])], world.device)  # the world size may change
+    state.step, state.best_val_loss = ckpt["step"], ckpt["best_val_loss"]
+    state.saved_step = state.step
+
+
+def rng_state(device):
+    """This process's RNG states as tensors and plain values (loadable with weights_only)."""
+    _, np_keys, np_pos, np_has_gauss, np_cached = np.random.get_state()
+    return dict(python=random.getstate(),
+                numpy=dict(keys=torch.from_numpy(np_keys.astype(np.int64)), pos=np_pos,
+                           has_gauss=np_has_gauss, cached_gaussian=np_cached),
+                torch=torch.get_rng_state(),
+                cuda=torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+def set_rng_state(state, device):
+    random.setstate(state["python"])
+    np_state = state["numpy"]
+    np.random.set_state(("MT19937", np_state["keys"].numpy().astype(np.uint32), np_state["pos"],
+                         np_state["has_gauss"], np_state["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+# ----------------------------------------------------------------------------------------------
+# Metrics, console and signals
 
 
 class MetricsWriter:
@@ -273,52 +378,66 @@ class MetricsWriter:
                 self.wandb_run.finish()
 
 
-def flush_steps(pending, window_start, timed_steps, tokens_per_step, mfu_of):
-    """Copy the pending per-step tensors to the host (one sync) and turn them into metrics
-    records. The window's wall time since window_start covers `timed_steps` of the pending steps
-    (all but a first step, which is timed on its own); with none, the timings are None.
-    Returns (records, bad): bad is the first non-finite step's record (None if all are finite)
-    and records are the steps before it, which are still worth writing."""
+def flush_steps(pending, window_start, first_step, tokens_per_step, model, peak, metrics):
+    """Copy the pending (step, lr, loss, grad norm) tensors to the host in one go, the only point
+    where the host waits for the device, and write them as metrics records; returns the last.
+    The wall time since window_start, averaged over the window's steps except the process's first
+    step (timed on its own), gives the timings; a window of only that step has None. peak: the
+    FLOP/s of all ranks, None for no MFU. A non-finite loss or gradient norm raises
+    NonFiniteError after the steps before it are written."""
     values = torch.stack([torch.stack([loss.float(), norm.float()]) for _, _, loss, norm in pending]).tolist()
+    timed_steps = sum(step != first_step for step, _, _, _ in pending)
     step_s = (time.perf_counter() - window_start) / timed_steps if timed_steps else None
-    timings = (dict(tokens_per_s=tokens_per_step / step_s, step_ms=1000 * step_s, mfu=mfu_of(step_s)) if step_s is not None
-               else dict(tokens_per_s=None, step_ms=None, mfu=None))
-    records = []
-    for (step, lr, _, _), (loss, norm) in zip(pending, values):
-        record = dict(step=step, train_loss=loss, lr=lr, grad_norm=norm, **timings)
-        if not (math.isfinite(loss) and math.isfinite(norm)):
-            return records, record
-        records.append(record)
-    return records, None
+    if step_s is None:
+        timings = dict(tokens_per_s=None, step_ms=None, mfu=None)
+    else:
+        timings = dict(tokens_per_s=tokens_per_step / step_s, step_ms=1000 * step_s,
+                       mfu=model.estimate_mfu(tokens_per_step, step_s, peak) if peak else None)
+    records = [dict(step=step, train_loss=loss, lr=lr, grad_norm=norm, **timings)
+               for (step, lr, _, _), (loss, norm) in zip(pending, values)]
+    for i, record in enumerate(records):
+        if not (math.isfinite(record["train_loss"]) and math.isfinite(record["grad_norm"])):
+            metrics.write(records[:i])
+            raise NonFiniteError(f"non-finite loss at step {record['step']} (train_loss={record['train_loss']}, "
+                                 f"grad_norm={record['grad_norm']})")
+    metrics.write(records)
+    return records[-1]
 
 
-# ----------------------------------------------------------------------------------------------
-# Checkpoints and signals
+def report_first_step(step, start, compiled, metrics, world):
+    """The process's first step (a fresh start or a resume) compiles the model under
+    torch.compile: log its time, from `start` to the end of its device work, on its own. Returns
+    the start of the next timing window."""
+    synchronize(world.device)
+    seconds = time.perf_counter() - start
+    metrics.write([dict(step=step, first_step_s=seconds, compiled=compiled)])
+    if world.master:
+        log(f"first step {step}: {seconds:.2f} s{' (torch.compile included)' if compiled else ''}; "
+            f"not counted in tok/s, ms/step and mfu")
+    return time.perf_counter()
 
 
-def rng_state(device):
-    """This process's RNG states as tensors and plain values (loadable with weights_only)."""
-    _, np_keys, np_pos, np_has_gauss, np_cached = np.random.get_state()
-    return dict(python=random.getstate(),
-                numpy=dict(keys=torch.from_numpy(np_keys.astype(np.int64)), pos=np_pos,
-                           has_gauss=np_has_gauss, cached_gaussian=np_cached),
-                torch=torch.get_rng_state(),
-                cuda=torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+def log_step(record, max_iters):
+    mfu = f" | mfu {100 * record['mfu']:.1f}%" if record["mfu"] is not None else ""
+    timing = ("first step only, timed above" if record["step_ms"] is None else
+              f"{record['tokens_per_s']:,.0f} tok/s | {record['step_ms']:.1f} ms/step{mfu}")
+    log(f"step {record['step']}/{max_iters} | loss {record['train_loss']:.4f} | lr {record['lr']:.2e} | "
+        f"grad norm {record['grad_norm']:.3f} | {timing}")
 
 
-def set_rng_state(state, device):
-    random.setstate(state["python"])
-    np_state = state["numpy"]
-    np.random.set_state(("MT19937", np_state["keys"].numpy().astype(np.uint32), np_state["pos"],
-                         np_state["has_gauss"], np_state["cached_gaussian"]))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"], device)
+def log(message):
+    """Print a console line. The console may be a pipe whose reader died with us (tee under a
+    Ctrl-C); a lost log line must not stop the checkpoint that follows it."""
+    try:
+        print(message, flush=True)
+    except OSError:
+        pass
 
 
 class StopFlag:
-    """Records SIGTERM / SIGINT so the loop can stop at the next step boundary; all ranks agree
-    on it through a CPU (gloo) all-reduce, which never waits for the GPU."""
+    """Records SIGTERM / SIGINT so the loop can stop at the next step boundary, save and exit
+    with 128 + the signal number (torchrun passes the signal on to its workers and itself exits
+    with 1). All ranks agree on it through a CPU (gloo) all-reduce, which never waits for the GPU."""
 
     def __init__(self, ddp, device):
         self.signum = 0
@@ -346,16 +465,7 @@ class StopFlag:
 
 
 # ----------------------------------------------------------------------------------------------
-# The run
-
-
-def log(message):
-    """Print a console line. The console may be a pipe whose reader died with us (tee under a
-    Ctrl-C); a lost log line must not stop the checkpoint that follows it."""
-    try:
-        print(message, flush=True)
-    except OSError:
-        pass
+# Set-up
 
 
 def build_model_config(cfg, vocab_size):
@@ -372,6 +482,58 @@ def build_model_config(cfg, vocab_size):
                      init_stream=cfg.init_stream, init_stream_seed=cfg.seed if cfg.init_stream == "drawn" else 0,
                      connection_weight_decay=cfg.connection_weight_decay, h_res_dtype=cfg.h_res_dtype,
                      mixing_dtype=cfg.mixing_dtype, **shape)
+
+
+def resume_checkpoint(cfg, ckpt_path, master):
+    """The checkpoint to continue (None for a fresh start), checked against this run."""
+    if cfg.init_from == "scratch":
+        if os.path.exists(ckpt_path):
+            raise ConfigError(f"{ckpt_path} exists; continue it with --init_from=resume or pick another --out_dir")
+        return None
+    ckpt = load_checkpoint(ckpt_path)
+    check_same_run(ckpt, asdict(cfg), ckpt_path)
+    saved = ckpt["config"]
+    if master and saved["lr_decay_iters"] != cfg.lr_decay_iters:
+        log(f"note: resuming with lr_decay_iters={cfg.lr_decay_iters} (max_iters={cfg.max_iters}) where the "
+            f"checkpoint's run had lr_decay_iters={saved['lr_decay_iters']} (max_iters={saved['max_iters']}): "
+            f"the cosine schedule's horizon moves; pass --lr_decay_iters={saved['lr_decay_iters']} "
+            f"to keep the old schedule")
+    return ckpt
+
+
+def build_model(cfg, vocab_size, ckpt, ckpt_path, world):
+    """The GPT on its device: initialised from the seed (rank 0's weights are the ones DDP
+    broadcasts), or with the checkpoint's weights."""
+    random.seed(cfg.seed + world.rank)
+    np.random.seed(cfg.seed + world.rank)
+    torch.manual_seed(cfg.seed + world.rank)
+    try:
+        model = GPT(build_model_config(cfg, vocab_size))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if ckpt is not None:
+        check_same_model(ckpt, asdict(model.config), ckpt_path)
+        model.load_state_dict(ckpt["model"])
+    return model.to(world.device)
+
+
+def start_out_dir(cfg, model, step, tokens_per_step, dtype, world):
+    """Rank 0: config.json, no stale `done` marker or checkpoint temp files, the run's header lines."""
+    connections = model.connection_path(world.device)  # fused kernels or residuals.py, and why
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    with open(os.path.join(cfg.out_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(dict(asdict(cfg), connections=connections), f, indent=2)
+    done_path = os.path.join(cfg.out_dir, "done")
+    if os.path.exists(done_path) and step < cfg.max_iters:
+        os.remove(done_path)
+    removed, freed = remove_stale_temp_files(os.path.join(cfg.out_dir, "ckpt.pt"))
+    if removed:
+        log(f"removed {removed} stale checkpoint temp file(s) in {cfg.out_dir} ({freed / 1e6:.1f} MB), "
+            f"left by a save that was killed")
+    log(f"{cfg.residual} {cfg.size}: {model.get_num_params() / 1e6:.2f}M parameters, "
+        f"{tokens_per_step:,} tokens/step on {world.size} x {world.device.type} ({dtype}), "
+        f"{'resuming at' if step else 'starting at'} step {step} of {cfg.max_iters} -> {cfg.out_dir}")
+    log(connection_path_line(cfg.residual, connections))
 
 
 def import_wandb():
@@ -391,215 +553,104 @@ def start_wandb(wandb, cfg):
                           f"or drop --wandb_log") from None
 
 
+# ----------------------------------------------------------------------------------------------
+# The run
+
+
 def run(cfg):
     """Train according to cfg; returns the process exit code (0, or 128 + signal number)."""
-    ddp, rank, world_size, device = setup_distributed(cfg)
+    world = setup_distributed(cfg)
     try:
         with tf32_matmuls():
-            return train(cfg, ddp, rank, world_size, device)
+            return train(cfg, world)
     finally:
-        if ddp:
+        if world.ddp:
             dist.destroy_process_group()
 
 
-def train(cfg, ddp, rank, world_size, device):
-    master = rank == 0
-    if cfg.gradient_accumulation_steps % world_size:
+def train(cfg, world):
+    """Set up, then train to max_iters; returns the exit code (0, or 128 + signal number)."""
+    if cfg.gradient_accumulation_steps % world.size:
         raise ConfigError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} is not divisible "
-                          f"by the world size {world_size}")
-    accum = cfg.gradient_accumulation_steps // world_size
+                          f"by the world size {world.size}")
     tokens_per_step = cfg.batch_size * cfg.block_size * cfg.gradient_accumulation_steps
     paths, vocab_size = check_data(cfg)
-    wandb = import_wandb() if cfg.wandb_log and master else None  # fail before any work
-    dtype, ctx = autocast_context(cfg, device)
+    wandb = import_wandb() if cfg.wandb_log and world.master else None  # fail before any work
+    dtype, ctx = autocast_context(cfg, world.device)
     ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
-    done_path = os.path.join(cfg.out_dir, "done")
-
-    ckpt = None
-    if cfg.init_from == "resume":
-        ckpt = load_checkpoint(ckpt_path)
-        check_same_run(ckpt, asdict(cfg), ckpt_path)
-        saved = ckpt["config"]
-        if master and saved["lr_decay_iters"] != cfg.lr_decay_iters:
-            log(f"note: resuming with lr_decay_iters={cfg.lr_decay_iters} (max_iters={cfg.max_iters}) where the "
-                f"checkpoint's run had lr_decay_iters={saved['lr_decay_iters']} (max_iters={saved['max_iters']}): "
-                f"the cosine schedule's horizon moves; pass --lr_decay_iters={saved['lr_decay_iters']} "
-                f"to keep the old schedule")
-    elif os.path.exists(ckpt_path):
-        raise ConfigError(f"{ckpt_path} exists; continue it with --init_from=resume or pick another --out_dir")
-
-    random.seed(cfg.seed + rank)
-    np.random.seed(cfg.seed + rank)
-    torch.manual_seed(cfg.seed + rank)  # rank 0 initialises the model; DDP copies its weights
-    try:
-        raw_model = GPT(build_model_config(cfg, vocab_size))
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    model_args = asdict(raw_model.config)
-    if ckpt is not None:
-        check_same_model(ckpt, model_args, ckpt_path)
-        raw_model.load_state_dict(ckpt["model"])
-    raw_model.to(device)
+    ckpt = resume_checkpoint(cfg, ckpt_path, world.master)
+    raw_model = build_model(cfg, vocab_size, ckpt, ckpt_path, world)
     optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
-                                               device.type)
-    train_generator = make_generator(cfg.seed, TRAIN_STREAM)
-    step, best_val_loss = 0, math.inf
+                                               world.device.type)
+    state = TrainState(raw_model, optimizer, make_generator(cfg.seed, TRAIN_STREAM))
     if ckpt is not None:
-        optimizer.load_state_dict(ckpt["optimizer"])
-        train_generator.set_state(ckpt["data_state"]["train_generator"])
-        rng_states = ckpt["rng"]
-        set_rng_state(rng_states[rank % len(rng_states)], device)
-        step, best_val_loss = ckpt["step"], ckpt["best_val_loss"]
-        del ckpt
-    eval_sets = {split: (paths[split], draw_offsets(make_generator(cfg.seed, stream), paths[split],
-                                                    cfg.block_size, cfg.eval_iters * cfg.batch_size)
-                         .view(cfg.eval_iters, cfg.batch_size))
-                 for split, stream in EVAL_STREAMS.items()}
-
-    use_compile = cfg.compile == "true" or (cfg.compile == "auto" and device.type == "cuda")
-    model = compile_model(raw_model, cfg.compile_mode) if use_compile else raw_model
-    train_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) if ddp else model
-
-    peak = peak_flops(cfg, device, dtype)
-
-    def mfu_of(step_s):
-        return raw_model.estimate_mfu(tokens_per_step, step_s, peak * world_size) if peak else None
-
-    connections = raw_model.connection_path(device)  # fused kernels or residuals.py, and why
-    if master:
-        os.makedirs(cfg.out_dir, exist_ok=True)
-        with open(os.path.join(cfg.out_dir, "config.json"), "w", encoding="utf-8") as f:
-            json.dump(dict(asdict(cfg), connections=connections), f, indent=2)
-        if os.path.exists(done_path) and step < cfg.max_iters:
-            os.remove(done_path)
-        removed, freed = remove_stale_temp_files(ckpt_path)
-        if removed:
-            log(f"removed {removed} stale checkpoint temp file(s) in {cfg.out_dir} ({freed / 1e6:.1f} MB), "
-                f"left by a save that was killed")
-        log(f"{cfg.residual} {cfg.size}: {raw_model.get_num_params() / 1e6:.2f}M parameters, "
-            f"{tokens_per_step:,} tokens/step on {world_size} x {device.type} ({dtype}), "
-            f"{'resuming at' if step else 'starting at'} step {step} of {cfg.max_iters} -> {cfg.out_dir}")
-        log(connection_path_line(cfg.residual, connections))
-    wandb_run = start_wandb(wandb, cfg) if wandb is not None else None
-    metrics = MetricsWriter(os.path.join(cfg.out_dir, "metrics.jsonl"), master,
-                            step if cfg.init_from == "resume" else None, wandb_run)
-    stop = StopFlag(ddp, device)
-
-    saved_step = step if cfg.init_from == "resume" else None  # step of the checkpoint on disk
-
-    def save(step):
-        states = [None] * world_size if ddp else None
-        if ddp:
-            dist.all_gather_object(states, rng_state(device))
-        if master:
-            save_checkpoint(ckpt_path, dict(
-                model=raw_model.state_dict(), model_args=model_args, config=asdict(cfg),
-                optimizer=optimizer.state_dict(), step=step, best_val_loss=best_val_loss,
-                rng=states if ddp else [rng_state(device)],  # one entry per rank
-                data_state=dict(train_generator=train_generator.get_state())))
-
-    def kept_checkpoint():
-        if saved_step is None:
-            return "no checkpoint was saved"
-        return f"{ckpt_path} keeps the last good checkpoint (step {saved_step})"
-
-    def run_eval(step):
-        nonlocal best_val_loss
-        losses = evaluate(model, eval_sets, cfg, ctx, device, ddp, rank, world_size)
-        if not all(math.isfinite(v) for v in losses.values()):
-            raise NonFiniteError(f"non-finite eval loss at step {step} ({losses}); stopping, {kept_checkpoint()}")
-        metrics.write([dict(step=step, eval_train_loss=losses["train"], val_loss=losses["val"])])
-        if master:
-            log(f"eval step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-        improved = losses["val"] < best_val_loss
-        best_val_loss = min(best_val_loss, losses["val"])
-        if improved or cfg.always_save_checkpoint:
-            save(step)
-            return True
-        return False
-
+        restore_run(state, ckpt, world)
+    del ckpt
+    eval_sets = eval_batches(cfg, paths)
+    compiled = cfg.compile == "true" or (cfg.compile == "auto" and world.device.type == "cuda")
+    model = compile_model(raw_model, cfg.compile_mode) if compiled else raw_model
+    device_ids = [world.device.index] if world.device.type == "cuda" else None
+    train_model = DDP(model, device_ids=device_ids) if world.ddp else model  # evaluation runs without DDP
+    peak = peak_flops(cfg, world.device, dtype)
+    peak = peak * world.size if peak else None
+    if world.master:
+        start_out_dir(cfg, raw_model, state.step, tokens_per_step, dtype, world)
+    metrics = MetricsWriter(os.path.join(cfg.out_dir, "metrics.jsonl"), world.master,
+                            state.step if cfg.init_from == "resume" else None,
+                            start_wandb(wandb, cfg) if wandb is not None else None)
+    stop = StopFlag(world.ddp, world.device)
+    first_step = state.step + 1  # it compiles under torch.compile: timed apart from the others
     try:
-        if cfg.init_from == "scratch" and run_eval(0):
-            saved_step = 0
-        pending, untimed = [], 0  # untimed: 1 while the window holds the first step
-        first_step = True
+        if cfg.init_from == "scratch":
+            evaluate_and_save(model, eval_sets, state, ctx, cfg, world, metrics, ckpt_path)
+        pending = []  # (step, lr, loss, grad norm) on the device until the next log point
+        synchronize(world.device)
         window_start = time.perf_counter()
-        while step < cfg.max_iters:
-            if first_step:  # it compiles (and warms up): timed apart from the step timings
-                synchronize(device)
-                first_step_start = time.perf_counter()
-            lr = get_lr(step, cfg)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            rows = step_offsets(train_generator, paths["train"], cfg, rank, world_size)
-            loss_sum = torch.zeros((), device=device)
-            x, y = get_batch(paths["train"], rows[0], cfg.block_size, device)
-            for micro in range(accum):
-                last_micro = micro == accum - 1
-                # DDP averages gradients over the ranks only on the last micro-step
-                with train_model.no_sync() if ddp and not last_micro else contextlib.nullcontext():
-                    with ctx:
-                        _, loss = train_model(x, y)
-                    if step + 1 == cfg.debug_nan_at_step:
-                        loss = loss * float("nan")
-                    if not last_micro:  # fetch the next micro-batch while the device works
-                        x, y = get_batch(paths["train"], rows[micro + 1], cfg.block_size, device)
-                    (loss / accum).backward()
-                loss_sum += loss.detach().float()
-            grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(),
-                                                       cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if ddp:
-                dist.all_reduce(loss_sum)
-            step += 1
-            pending.append((step, lr, loss_sum / cfg.gradient_accumulation_steps, grad_norm))
-            if first_step:
-                synchronize(device)
-                first_step_s = time.perf_counter() - first_step_start
-                metrics.write([dict(step=step, first_step_s=first_step_s, compiled=use_compile)])
-                if master:
-                    log(f"first step {step}: {first_step_s:.2f} s{' (torch.compile included)' if use_compile else ''}; "
-                        f"not counted in tok/s, ms/step and mfu")
-                first_step, untimed = False, 1
-                window_start = time.perf_counter()
+        while state.step < cfg.max_iters:
+            lr = get_lr(state.step, cfg)
+            offsets = step_offsets(state.train_generator, paths["train"], cfg, world.rank, world.size)
+            loss, grad_norm = train_step(train_model, state, paths["train"], offsets, lr, ctx, cfg, world)
+            state.step += 1
+            pending.append((state.step, lr, loss, grad_norm))
+            if state.step == first_step:
+                window_start = report_first_step(state.step, window_start, compiled, metrics, world)
 
             signum = stop.agreed()
-            is_eval = step % cfg.eval_interval == 0 or step == cfg.max_iters
-            if step % cfg.log_interval == 0 or is_eval or signum:
-                records, bad = flush_steps(pending, window_start, len(pending) - untimed, tokens_per_step, mfu_of)
-                metrics.write(records)
-                if bad is not None:
-                    raise NonFiniteError(f"non-finite loss at step {bad['step']} (train_loss={bad['train_loss']}, "
-                                         f"grad_norm={bad['grad_norm']}); stopping, {kept_checkpoint()}")
-                if master:
-                    last = records[-1]
-                    mfu = f" | mfu {100 * last['mfu']:.1f}%" if last["mfu"] is not None else ""
-                    timing = ("first step only, timed above" if last["step_ms"] is None else
-                              f"{last['tokens_per_s']:,.0f} tok/s | {last['step_ms']:.1f} ms/step{mfu}")
-                    log(f"step {step}/{cfg.max_iters} | loss {last['train_loss']:.4f} | lr {lr:.2e} | "
-                        f"grad norm {last['grad_norm']:.3f} | {timing}")
-                pending, untimed = [], 0
-                if is_eval and run_eval(step):
-                    saved_step = step
+            is_eval = state.step % cfg.eval_interval == 0 or state.step == cfg.max_iters
+            if state.step % cfg.log_interval == 0 or is_eval or signum:
+                # every loss is checked before any save, so ckpt.pt stays the last good checkpoint
+                last = flush_steps(pending, window_start, first_step, tokens_per_step, raw_model, peak, metrics)
+                if world.master:
+                    log_step(last, cfg.max_iters)
+                pending = []
+                if is_eval:
+                    evaluate_and_save(model, eval_sets, state, ctx, cfg, world, metrics, ckpt_path)
                 if signum:
-                    if saved_step != step:
-                        save(step)
-                    if master:
-                        log(f"stopped by signal {signum} after step {step}; checkpoint saved to {ckpt_path}; "
+                    if state.saved_step != state.step:
+                        save_run(ckpt_path, state, cfg, world)
+                    if world.master:
+                        log(f"stopped by signal {signum} after step {state.step}; checkpoint saved to {ckpt_path}; "
                             f"continue with --init_from=resume")
                     return 128 + signum
                 window_start = time.perf_counter()
-        if saved_step != step:
-            save(step)
-        if master:
-            with open(done_path, "w", encoding="utf-8") as f:
-                f.write(f"{step}\n")
-            log(f"done: step {step}, best val loss {best_val_loss:.4f}, checkpoint {ckpt_path}")
+        if state.saved_step != state.step:
+            save_run(ckpt_path, state, cfg, world)
+        if world.master:
+            mark_done(cfg.out_dir, state, ckpt_path)
         return 0
+    except NonFiniteError as e:
+        kept = ("no checkpoint was saved" if state.saved_step is None else
+                f"{ckpt_path} keeps the last good checkpoint (step {state.saved_step})")
+        raise NonFiniteError(f"{e}; stopping, {kept}") from None
     finally:
         stop.restore()
         metrics.close()
+
+
+def mark_done(out_dir, state, ckpt_path):
+    with open(os.path.join(out_dir, "done"), "w", encoding="utf-8") as f:
+        f.write(f"{state.step}\n")
+    log(f"done: step {state.step}, best val loss {state.best_val_loss:.4f}, checkpoint {ckpt_path}")
 
 
 def usage():

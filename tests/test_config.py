@@ -93,6 +93,13 @@ def test_bad_values_give_one_clear_line(arg, words):
     assert_one_line_config_error(arg, words)
 
 
+def test_a_removed_setting_names_what_replaces_it_also_in_a_file(tmp_path):
+    assert_one_line_config_error("--debug_nan_at_step=3", ["debug_nan_at_step was removed", "train.train_step"])
+    path = write(tmp_path / "old.py", "debug_nan_at_step = -1\n")
+    with pytest.raises(ConfigError, match=r"old\.py: debug_nan_at_step was removed: it was a test-only hook"):
+        load_config([path])
+
+
 def test_unknown_key_or_bad_type_in_a_file_names_the_file(tmp_path):
     path = write(tmp_path / "x.py", "n_layers = 4\n")
     with pytest.raises(ConfigError, match=r"x\.py: unknown config key 'n_layers'; valid keys: .*max_iters"):
@@ -142,6 +149,7 @@ def test_every_field_has_a_parser():
     (["--bogus=1"], ["unknown config key 'bogus'"]),
     (["--max_iters=abc"], ["max_iters must be int"]),
     (["configs/S.py", "configs/L.py"], ["conflicting size"]),
+    (["--debug_nan_at_step=3"], ["debug_nan_at_step was removed", "test-only", "patching train.train_step"]),
 ])
 def test_train_cli_prints_one_error_line_and_exits_2(args, words):
     proc = subprocess.run([sys.executable, os.path.join(REPO_DIR, "train.py"), *args], cwd=REPO_DIR,
@@ -201,7 +209,7 @@ def test_a_min_lr_left_at_the_size_default_says_so():
     ["--min_lr=0", "--grad_clip=0", "--weight_decay=0", "--warmup_iters=0", "--beta1=0", "--dropout=0.5"],
     ["--max_iters=100"],  # a smoke run that never leaves the default 200-step warmup
     ["--warmup_iters=100", "--lr_decay_iters=101"],
-    ["--mhclite_perms=None", "--peak_flops=None", "--debug_nan_at_step=-1", "--seed=0"],
+    ["--mhclite_perms=None", "--peak_flops=None", "--seed=0"],
 ])
 def test_values_at_the_edges_of_their_ranges_are_accepted(args):
     load_config(args)

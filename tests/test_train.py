@@ -1,6 +1,6 @@
 """train.py and checkpoint.py end to end on CPU: a tiny model on a tiny char-level corpus written
-into tmp_path. Covers the four variants, exact resume, 2-process DDP equivalence, SIGTERM, an
-injected NaN, damaged checkpoints and the one-line errors."""
+into tmp_path. Covers the four variants, exact resume, 2-process DDP equivalence, SIGTERM, a
+non-finite loss, damaged checkpoints and the one-line errors."""
 import json
 import math
 import os
@@ -232,10 +232,20 @@ def test_sigterm_saves_a_loadable_checkpoint_at_a_step_boundary(data_dir, tmp_pa
 
 
 @pytest.mark.slow
-def test_injected_nan_stops_the_run_and_keeps_the_last_good_checkpoint(data_dir, tmp_path, capsys):
+def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(data_dir, tmp_path, capsys,
+                                                                             monkeypatch):
+    real_step = train.train_step
+
+    def step_with_weights_blown_up_at_7(train_model, state, *args):
+        if state.step + 1 == 7:
+            with torch.no_grad():
+                next(state.model.parameters()).fill_(math.nan)
+        return real_step(train_model, state, *args)
+
+    monkeypatch.setattr(train, "train_step", step_with_weights_blown_up_at_7)
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as info:
-        train.main(tiny_args(data_dir, out, max_iters=10, eval_interval=4, log_interval=1, debug_nan_at_step=7))
+        train.main(tiny_args(data_dir, out, max_iters=10, eval_interval=4, log_interval=1))
     assert info.value.code == 1
     assert_one_error_line(capsys.readouterr().err, "non-finite loss at step 7", "step 4")
     model, ckpt = load_model(str(out / "ckpt.pt"))
