@@ -116,16 +116,22 @@ class AuthorsArithmetic:
         return rounded.to(matmul_dtype).float()
 
 
+def rounded_product(values, scale, dtype=None):
+    """values * scale computed in fp32 and rounded once to dtype (default: values'), as torch
+    multiplies a bf16 tensor by a 0-dim fp32 tensor: the result takes the tensor's dtype."""
+    return (values.float() * scale).to(dtype or values.dtype)
+
+
 class AuthorsHyperConnection(AuthorsArithmetic, HyperConnection):
     def coefficients_from_projection(self, p, matmul_dtype=None):
         if not self.rounds(matmul_dtype):
             return super().coefficients_from_projection(p, matmul_dtype)
         # Their tanh of the bf16 projection stays bf16, and so does its product with a 0-dim
-        # scale (type promotion rounds the scale to bf16 too); the static part is added in fp32.
+        # scale (type promotion); the static part is added in fp32.
         n = self.n_streams
         p = torch.tanh(p)
-        alpha = self.static_alpha + self.scale_alpha * p[..., : n + 1]
-        beta = self.static_beta + self.scale_beta * p[..., n + 1]
+        alpha = self.static_alpha + rounded_product(p[..., : n + 1], self.scale_alpha)
+        beta = self.static_beta + rounded_product(p[..., n + 1], self.scale_beta)
         return {"h_pre": alpha[..., 0], "h_post": beta, "h_res": alpha[..., 1:].transpose(-1, -2)}
 
 
@@ -133,13 +139,13 @@ class AuthorsManifoldCoefficients(AuthorsArithmetic):
     def coefficients_from_projection(self, p, matmul_dtype=None):
         if not self.rounds(matmul_dtype):
             return super().coefficients_from_projection(p, matmul_dtype)
-        # Their pre and res scales are 1-element vectors, so those products are fp32; their post
-        # scale is 0-dim, so the post product stays bf16 (the scale rounded to bf16 as well).
+        # Their pre and res scales are 1-element vectors, so type promotion makes those products
+        # fp32; their post scale is 0-dim, so the post product stays bf16.
         n = self.n_streams
-        pre, post, res = p.split([n, n, self.res_logits], dim=-1)
-        coeffs = self.residual_matrix(self.scale_res.expand(1) * res + self.bias_res, matmul_dtype)
-        coeffs["h_pre"] = torch.sigmoid(self.scale_pre.expand(1) * pre + self.bias_pre)
-        coeffs["h_post"] = 2 * torch.sigmoid(self.scale_post * post + self.bias_post)
+        pre, post, res = p.float().split([n, n, self.res_logits], dim=-1)
+        coeffs = self.residual_matrix(self.scale_res * res + self.bias_res, matmul_dtype)
+        coeffs["h_pre"] = torch.sigmoid(self.scale_pre * pre + self.bias_pre)
+        coeffs["h_post"] = 2 * torch.sigmoid(rounded_product(post, self.scale_post, p.dtype) + self.bias_post)
         return coeffs
 
 

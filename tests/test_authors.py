@@ -207,3 +207,44 @@ def test_mixing_autocast_is_the_authors_bf16_einsum(residual):
     with torch.autocast("cpu", torch.bfloat16):
         default_out = default(x, lambda u: torch.zeros_like(u))
     assert not torch.equal(default_out, default_out.bfloat16().float())
+
+
+def autocast_coefficients(connection, x):
+    with torch.autocast("cpu", torch.bfloat16), capture_connections(connection) as records:
+        connection(x, lambda u: u)
+    return records[0]
+
+
+def test_mixing_autocast_rounds_hc_dynamic_coefficients_as_the_authors_tanh():
+    """Their hc: tanh of the bf16 projection, times a 0-dim scale (still bf16), plus the static part."""
+    connection = AUTHORS_CONNECTIONS["hc"](C, N, 1, mixing_dtype="autocast")
+    randomise(connection)
+    x = torch.randn(2, 5, N, C, generator=torch.Generator().manual_seed(0))
+    p = connection.projection(x, torch.bfloat16)  # their `normed @ dynamic_alpha_fn` comes out in bf16
+    dynamic_alpha = torch.tanh(p[..., : N + 1]) * connection.scale_alpha
+    dynamic_beta = torch.tanh(p[..., N + 1]) * connection.scale_beta
+    assert p.dtype == dynamic_alpha.dtype == dynamic_beta.dtype == torch.bfloat16
+    alpha, beta = dynamic_alpha + connection.static_alpha, dynamic_beta + connection.static_beta
+    ours = autocast_coefficients(connection, x)
+    assert torch.equal(ours["h_pre"], alpha[..., 0]) and torch.equal(ours["h_post"], beta)
+    assert torch.equal(ours["h_res"], alpha[..., 1:].transpose(-1, -2))
+    unrounded = connection.static_beta + connection.scale_beta * torch.tanh(p[..., N + 1].float())
+    assert not torch.equal(ours["h_post"], unrounded)
+
+
+@pytest.mark.parametrize("residual", ["mhc", "mhclite"])
+def test_mixing_autocast_rounds_the_post_product_as_the_authors_0_dim_scale(residual):
+    """Their mhc/mhclite: the bf16 projection times the 1-element pre and res scales is fp32, times
+    the 0-dim post scale is bf16, before the static parts are added."""
+    connection = AUTHORS_CONNECTIONS[residual](C, N, 1, mixing_dtype="autocast")
+    randomise(connection)
+    x = torch.randn(2, 5, N, C, generator=torch.Generator().manual_seed(0))
+    p = connection.projection(x, torch.bfloat16)
+    dynamic_pre = p[..., :N] * connection.scale_pre.reshape(1)  # their pre_branch_scale: shape (1,)
+    dynamic_post = p[..., N: 2 * N] * connection.scale_post  # their h_post_scale: shape ()
+    assert (p.dtype, dynamic_pre.dtype, dynamic_post.dtype) == (torch.bfloat16, torch.float32, torch.bfloat16)
+    ours = autocast_coefficients(connection, x)
+    torch.testing.assert_close(ours["h_pre"], (dynamic_pre + connection.bias_pre).sigmoid(), rtol=1e-6, atol=0)
+    assert torch.equal(ours["h_post"], (dynamic_post + connection.bias_post).sigmoid() * 2)
+    unrounded = (p[..., N: 2 * N].float() * connection.scale_post + connection.bias_post).sigmoid() * 2
+    assert not torch.equal(ours["h_post"], unrounded)
