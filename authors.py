@@ -5,7 +5,10 @@ to the authors' values. docs/faithfulness.md says where each is in their code an
 residuals.py stays the paper; the connection subclasses here add the authors' arithmetic.
 """
 
+import math
+
 import torch
+import torch.nn.functional as F
 
 from residuals import (RESIDUALS, RMS_EPS, HyperConnection, ManifoldHyperConnection, ManifoldHyperConnectionLite,
                        mix_streams, rms_projection)
@@ -89,8 +92,9 @@ class AuthorsArithmetic:
     """The settings of ARITHMETIC on top of one of residuals.py's connections.
 
     rms_eps: the RMS factor rsqrt(max(mean(x^2) + rms_eps, floor)); 0 with F.normalize's floor is
-    their F.normalize(x) * sqrt(D). mixing_dtype="autocast", under autocast: the projection's
-    output in the autocast dtype (their matmul's), the dynamic coefficients from it with their
+    their F.normalize(x) * sqrt(D). mixing_dtype="autocast", under autocast, computes what their
+    code computes there: the projection as their matmul (the normalised rows times the gain
+    rounded to the autocast dtype, the output in it), the dynamic coefficients from it with their
     type promotion (below), and the mixing as their einsum: h_pre, h_res and x rounded to the
     autocast dtype, the sums in fp32, u and h_res x rounded to it. Their post einsum is a product
     without a sum, which autocast leaves in fp32, so the streams keep their dtype.
@@ -105,9 +109,16 @@ class AuthorsArithmetic:
 
     def projection(self, x, matmul_dtype=None):
         rows = self.projection_rows(x)
-        p = rms_projection(rows, self.projection_weight(), matmul_dtype, self.rms_eps,
-                           NORMALIZE_NORM_FLOOR**2 / rows.shape[-1])
-        return p.to(matmul_dtype) if self.rounds(matmul_dtype) else p
+        if not self.rounds(matmul_dtype):
+            return rms_projection(rows, self.projection_weight(), matmul_dtype, self.rms_eps,
+                                  NORMALIZE_NORM_FLOOR**2 / rows.shape[-1])
+        # Their RMSNorm output, not x, is the GEMM's operand that autocast rounds.
+        if self.rms_eps == 0:
+            normed = F.normalize(rows, dim=-1, eps=NORMALIZE_NORM_FLOOR) * math.sqrt(rows.shape[-1])
+        else:
+            normed = rows * torch.rsqrt(rows.square().mean(-1, keepdim=True) + self.rms_eps)
+        normed = normed * self.norm_gain
+        return normed.to(matmul_dtype) @ self.proj.weight.t().to(matmul_dtype)
 
     def mix(self, mixer, x, matmul_dtype=None):
         if not self.rounds(matmul_dtype):

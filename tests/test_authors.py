@@ -12,7 +12,7 @@ import authors
 from authors import AUTHORS_CONNECTIONS
 from config import REPO_DIR, load_config
 from model import GPT, GPTConfig
-from residuals import RESIDUALS, capture_connections, permutation_matrices, sinkhorn
+from residuals import RESIDUALS, capture_connections, permutation_matrices, rms_projection, sinkhorn
 
 N, C = 4, 8
 
@@ -213,6 +213,22 @@ def autocast_coefficients(connection, x):
     with torch.autocast("cpu", torch.bfloat16), capture_connections(connection) as records:
         connection(x, lambda u: u)
     return records[0]
+
+
+@pytest.mark.parametrize("residual", ["hc", "mhc", "mhclite"])
+def test_mixing_autocast_projection_is_the_authors_bf16_matmul_of_their_rmsnorm(residual):
+    connection = AUTHORS_CONNECTIONS[residual](C, N, 1, rms_eps=0.0, mixing_dtype="autocast")
+    randomise(connection)
+    x = torch.randn(2, 5, N, C, generator=torch.Generator().manual_seed(0))
+    rows = connection.projection_rows(x)
+    with torch.autocast("cpu", torch.bfloat16):  # theirs: RMSNorm(x) @ W, the operand rounded by autocast
+        theirs = (F.normalize(rows, dim=-1) * math.sqrt(rows.shape[-1]) * connection.norm_gain) @ \
+            connection.proj.weight.t()
+    ours = connection.projection(x, torch.bfloat16)
+    assert theirs.dtype == ours.dtype == torch.bfloat16 and torch.equal(ours, theirs)
+    # residuals.py's order rounds x and the gain-folded weight, and applies the RMS factor after the GEMM
+    paper_order = rms_projection(rows, connection.projection_weight(), torch.bfloat16, 0.0, 1e-24 / C).bfloat16()
+    assert not torch.equal(ours, paper_order)
 
 
 def test_mixing_autocast_rounds_hc_dynamic_coefficients_as_the_authors_tanh():
