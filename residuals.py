@@ -1,25 +1,15 @@
-"""Residual connections for a pre-norm transformer, behind one interface.
+"""The paper's residual connections for a pre-norm transformer: res, hc, mhc and mhclite (RESIDUALS).
 
-    RESIDUALS = {"res": Residual, "hc": HyperConnection, "mhc": ManifoldHyperConnection,
-                 "mhclite": ManifoldHyperConnectionLite}
+A connection wraps one sublayer f: `Connection(width, n_streams, wrapper_index)(x, f)`, with the
+residual state x of shape (B, T, n, C) and f mapping (B, T, C) -> (B, T, C). Per token, the HC
+family computes (SPEC section 2)
 
-Every connection wraps one sublayer (attention or MLP). It is built as
-`Connection(width, n_streams, wrapper_index, ...)` and called as `connection(x, branch)`, where
-x is the residual state of shape (B, T, n, C) and `branch` maps (B, T, C) -> (B, T, C) (the
-pre-norm sublayer f). Streams sit next to channels, so flattening a token's state to n*C is a
-view. Per token, the HC family computes (SPEC section 2)
+    u         = sum_j h_pre[j] x[j]                        (the branch input)
+    x_next[i] = sum_j h_res[i, j] x[j] + h_post[i] f(u)
 
-    u           = sum_i h_pre[i] * x[i]                            (branch input)
-    x_next[i]   = sum_j h_res[i, j] * x[j] + h_post[i] * f(u)
-
-and the variants differ only in how h_pre, h_post and h_res are made from x: an RMS-normalised
-projection p of x (`projection_rows`, `projection_weight`), then `coefficients_from_projection(p)`.
-Under bf16 autocast only the projection GEMM runs in bf16; everything after it runs in fp32, and
-mhclite combines its permutation matrices with exact products and fp32 sums, so its h_res is
-doubly stochastic to fp32 rounding. The output keeps the dtype of x.
-
-This file depends on torch only, so it can be copied into other models. A host model's own weight
-init overwrites the connections' init: call `reset_parameters()` on every connection after it.
+from an RMS-normalised projection of x; the variants differ in how they make h_pre, h_post, h_res.
+Depends on torch only, to be copied into other models: a host model's own weight init overwrites
+the connections' init, so call `reset_parameters()` on every connection after it.
 """
 
 import contextlib
@@ -201,6 +191,8 @@ class StreamConnection(nn.Module):
     -> dict` with fp32 "h_pre" (B, T, n), "h_post" (B, T, n), "h_res" (B, T, n, n) and any extra
     entries worth recording for analysis. `stream_index` is the stream this wrapper reads at init
     (reset_parameters reads it); `recorder` is the list capture_connections() fills, or None.
+    Under bf16 autocast only the projection GEMM runs in bf16, the rest in fp32 (so mhclite's h_res
+    is doubly stochastic to fp32 rounding); the output keeps the dtype of x.
     """
 
     name = ""
@@ -360,7 +352,9 @@ class HyperConnection(StreamConnection):
 
 class ManifoldConnectionBase(StreamConnection):
     """Shared part of mhc and mhclite (SPEC section 2): one RMSNorm over all n*C entries and one
-    fused projection [W_pre | W_post | W_res]; subclasses turn the res logits into h_res."""
+    fused projection p = [p_pre | p_post | p_res], then
+      h_pre  = sigmoid(s_pre * p_pre + b_pre),   h_post = 2 sigmoid(s_post * p_post + b_post),
+      logits = s_res * p_res + b_res,            which subclasses turn into h_res."""
 
     def __init__(self, width, n_streams, wrapper_index, recompute=False, res_logits=0):
         super().__init__(width, n_streams, wrapper_index, recompute)
