@@ -21,7 +21,7 @@ SETTINGS = {
     "init_stream": ("wrapper_mod_n", "drawn"),  # the stream a wrapper reads at init: their randrange
     "connection_weight_decay": ("projections", "authors"),  # theirs: every >= 2-D parameter of their layout
     "h_res_dtype": ("float32", "autocast"),  # mhclite: their permutation einsum in bf16 under autocast
-    "mixing_dtype": ("float32", "autocast"),  # their coefficients and mixing einsum in bf16 under autocast
+    "mixing_dtype": ("float32", "autocast"),  # their projection, coefficients and mixing in bf16 under autocast
 }
 FINAL_NORMS = SETTINGS["final_norm"]
 SINKHORN_ORDERS = SETTINGS["sinkhorn_order"]
