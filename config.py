@@ -17,9 +17,10 @@ import re
 import typing
 from dataclasses import dataclass, fields
 
-from model import (COMPILE_MODES, CONNECTION_WEIGHT_DECAYS, DEFAULT_COMPILE_MODE, FINAL_NORMS, INIT_STREAMS,
-                   MODEL_SIZES)
-from residuals import H_RES_DTYPES, MIXING_DTYPES, RESIDUALS, RMS_EPS, SINKHORN_ORDERS
+from authors import (CONNECTION_WEIGHT_DECAYS, FINAL_NORMS, H_RES_DTYPES, INIT_STREAMS, MIXING_DTYPES,
+                     SINKHORN_ORDERS)
+from model import COMPILE_MODES, DEFAULT_COMPILE_MODE, MODEL_SIZES
+from residuals import RESIDUALS, RMS_EPS
 
 REPO_DIR = os.path.dirname(os.path.abspath(__file__))
 

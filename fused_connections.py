@@ -47,8 +47,8 @@ import os
 
 import torch
 
-import residuals
-from residuals import RMS_EPS, HyperConnection, ManifoldHyperConnection, StreamConnection, autocast_matmul_dtype
+from residuals import (RESIDUALS, RMS_EPS, HyperConnection, ManifoldHyperConnection, StreamConnection,
+                       autocast_matmul_dtype)
 
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 
@@ -84,12 +84,8 @@ def unsupported_reason(module, x) -> str | None:
         return "the kernels are written for n_streams = 4"
     if isinstance(module, ManifoldHyperConnection) and module.sinkhorn_iters < MIN_SINKHORN_ITERS:
         return "the kernels need sinkhorn_iters >= 4"
-    if module.rms_eps != RMS_EPS or module.mixing_dtype != "float32":
-        return "the kernels compute the paper's connection (rms_eps 1e-6, fp32 mixing), not the authors' settings"
-    if getattr(module, "sinkhorn_order", "cols_then_rows") != "cols_then_rows":
-        return "the kernels run Sinkhorn columns then rows (the paper's order)"
-    if getattr(module, "h_res_dtype", "float32") != "float32":
-        return "the kernels combine the permutation matrices in fp32"
+    if type(module) not in RESIDUALS.values():
+        return "the kernels compute residuals.py's connections, not the authors' arithmetic (authors.py)"
     if x.dtype not in STREAM_DTYPES:
         return "the kernels take float32 or bfloat16 streams"
     if x.dim() != 4 or x.shape[-2] != module.n_streams or x.shape[-1] != module.width:
@@ -115,7 +111,7 @@ def connection_forward(module, x, branch):
         variant, weight, scale, bias, perm_matrices, iters = _packed_parameters(module)
         u, h_pre, h_post, h_res, z, rms_inv, next_grad = connection_pre(rows, weight, scale, bias, perm_matrices,
                                                                         variant, iters, bf16_operands)
-    if residuals._capture_records is not None:
+    if module.recorder is not None:
         _record(module, (batch, time), h_pre, h_post, h_res, z, rms_inv)
     y = branch(u.view(batch, time, width))
     with torch.autocast(x.device.type, enabled=False):
@@ -145,12 +141,12 @@ def _packed_parameters(module):
 @torch.no_grad()
 def _record(module, leading, h_pre, h_post, h_res, z, rms_inv):
     """Hand the kernels' coefficients (and the variant's extras, recomputed in torch from the
-    projection) to an active residuals.capture_connections() context."""
+    projection) to the residuals.capture_connections() context that set module.recorder."""
     p = z * (rms_inv[..., None] if z.dim() == 3 else rms_inv[:, None])
     coeffs = module.coefficients_from_projection(p.view(*leading, *p.shape[1:]))
     coeffs.update(h_pre=h_pre.view(*leading, -1), h_post=h_post.view(*leading, -1),
                   h_res=h_res.view(*leading, *h_res.shape[1:]))
-    residuals.record_coefficients(module, coeffs)
+    module.record(coeffs)
 
 
 # ----------------------------------------------------------------------------------------------

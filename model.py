@@ -3,8 +3,7 @@
 The residual state is (B, T, n, C): the embedding is copied into n streams, every attention and
 every MLP sublayer is wrapped by its own connection from residuals.py (2L wrappers), and the
 streams are summed before the final LayerNorm and the tied LM head. With residual="res" (n = 1)
-this is exactly nanoGPT. The settings final_norm, rms_eps, sinkhorn_order, init_stream,
-connection_weight_decay, h_res_dtype and mixing_dtype default to the paper as written; the other
+this is exactly nanoGPT. The keys of authors.SETTINGS default to the paper as written; the other
 value of each is what the authors' code computes (configs/authors.py, docs/faithfulness.md).
 """
 
@@ -15,9 +14,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import authors
 import fused_connections
-from residuals import (H_RES_DTYPES, MIXING_DTYPES, RESIDUALS, RMS_EPS, SINKHORN_ORDERS, ManifoldHyperConnection,
-                       at_least_fp32, expand_streams, reduce_streams)
+from residuals import (RESIDUALS, RMS_EPS, ManifoldHyperConnection, at_least_fp32, expand_streams, reduce_streams,
+                       sinkhorn)
 
 MODEL_SIZES = {
     "tiny": dict(n_layer=4, n_head=4, n_embd=128),  # ours: a CPU demo and test model
@@ -38,7 +38,13 @@ COMPILE_MODES = ("model", "blocks")
 DEFAULT_COMPILE_MODE = "model"  # train.py's and bench.py's
 
 
-SHARED_SINKHORN_TORCH = "2.13"  # checked against eager there (tests/test_model.py); never on 2.11
+SHARED_SINKHORN_TORCH = "2.13"  # checked against eager there (tests/test_model.py)
+
+# residuals.sinkhorn as a nested compile region: torch.compile compiles it once and every mhc
+# connection calls that code, instead of one copy of its 40 log-sum-exps per connection. Eager it
+# is plain sinkhorn. Inductor must not reuse buffers around it: it does not know that the region's
+# saved-for-backward outputs alias its inputs, and would return wrong gradients.
+shared_sinkhorn = torch.compiler.nested_compile_region(sinkhorn)
 
 
 def shares_compiled_sinkhorn(options) -> bool:
@@ -53,16 +59,15 @@ def compile_model(model, mode, **options):
     ("blocks", regional compilation). Every Block runs the same code on same-shaped inputs, and its
     per-layer differences are parameter values, so all layers share the code compiled for the first:
     compile time no longer grows with the number of layers. With inductor, mhc's reference-path
-    connections also share one compiled Sinkhorn (residuals.shared_sinkhorn), with inductor's
-    buffer reuse off, which that needs. options go to torch.compile. Returns what to call for
-    forward."""
+    connections also share one compiled Sinkhorn (shared_sinkhorn), with inductor's buffer reuse
+    off, which that needs. options go to torch.compile. Returns what to call for forward."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"unknown compile mode '{mode}'; valid: {', '.join(COMPILE_MODES)}")
     sinkhorn_users = [m for m in model.connections() if isinstance(m, ManifoldHyperConnection)]
     on_reference_path = model.connection_path(next(model.parameters()).device)["path"] == "reference"
     if sinkhorn_users and on_reference_path and shares_compiled_sinkhorn(options):
         for connection in sinkhorn_users:
-            connection.share_compiled_sinkhorn = True
+            connection.sinkhorn_fn = shared_sinkhorn
         options["options"] = {**options.get("options", {}), "allow_buffer_reuse": False}
     if mode == "model":
         return torch.compile(model, **options)
@@ -70,11 +75,6 @@ def compile_model(model, mode, **options):
         block.compile(**options)
     model.head = torch.compile(model.head, **options)
     return model
-
-
-FINAL_NORMS = ("after_sum", "per_stream")
-INIT_STREAMS = ("wrapper_mod_n", "drawn")
-CONNECTION_WEIGHT_DECAYS = ("projections", "authors")
 
 
 @dataclass
@@ -95,7 +95,7 @@ class GPTConfig:
     recompute_connections: bool = False
     stream_dtype: str = "float32"  # storage of the HC family's n streams: float32 or bfloat16
     fused_connections: bool = False  # Triton kernels for the HC family on CUDA; opt-in until measured on a GPU
-    # The paper as written (defaults) or as the authors' code runs it (the other value):
+    # The paper as written (defaults) or as the authors' code runs it (the other value; authors.py):
     final_norm: str = "after_sum"  # final LayerNorm after the stream sum, or on each stream then the sum
     rms_eps: float = RMS_EPS  # inside the connections' RMS root; 0 = F.normalize (the authors')
     sinkhorn_order: str = "cols_then_rows"  # mhc: rows exact; "rows_then_cols": columns exact
@@ -116,52 +116,29 @@ class GPTConfig:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         if self.stream_dtype not in STREAM_DTYPES:
             raise ValueError(f"unknown stream_dtype '{self.stream_dtype}'; valid: {', '.join(STREAM_DTYPES)}")
-        for key, choices in (("final_norm", FINAL_NORMS), ("sinkhorn_order", SINKHORN_ORDERS),
-                             ("init_stream", INIT_STREAMS), ("connection_weight_decay", CONNECTION_WEIGHT_DECAYS),
-                             ("h_res_dtype", H_RES_DTYPES), ("mixing_dtype", MIXING_DTYPES)):
-            if getattr(self, key) not in choices:
-                raise ValueError(f"unknown {key} '{getattr(self, key)}'; valid: {', '.join(choices)}")
-        if self.rms_eps < 0:
-            raise ValueError(f"rms_eps must be >= 0, got {self.rms_eps}")
-        kernel_settings = ("rms_eps", "sinkhorn_order", "h_res_dtype", "mixing_dtype")
-        if self.fused_connections and any(getattr(self, k) != self.__dataclass_fields__[k].default
-                                          for k in kernel_settings):
-            raise ValueError(f"fused_connections implements the default {', '.join(kernel_settings)} only")
+        authors.check(self)
 
 
 def connection_options(config: GPTConfig) -> dict:
-    """The variant-specific constructor arguments of the connection modules."""
-    options = {} if config.residual == "res" else dict(rms_eps=config.rms_eps, mixing_dtype=config.mixing_dtype)
+    """The variant-specific constructor arguments of residuals.py's connection modules."""
     if config.residual == "mhc":
-        options.update(sinkhorn_iters=config.sinkhorn_iters, sinkhorn_order=config.sinkhorn_order)
+        return dict(sinkhorn_iters=config.sinkhorn_iters)
     if config.residual == "mhclite":
-        options.update(num_perms=config.mhclite_perms, perm_sampling=config.mhclite_perm_sampling,
-                       perm_seed=config.perm_seed, h_res_dtype=config.h_res_dtype)
-    return options
+        return dict(num_perms=config.mhclite_perms, perm_sampling=config.mhclite_perm_sampling,
+                    perm_seed=config.perm_seed)
+    return {}
 
 
-def init_streams(config: GPTConfig) -> list[int | None]:
-    """The stream each of the 2L wrappers reads at init: None (wrapper index mod n), or drawn as the
-    authors' code does (randrange, unseeded there) from a generator seeded with init_stream_seed,
-    so that a run and its resume draw the same streams."""
-    n_wrappers = 2 * config.n_layer
-    if config.init_stream == "wrapper_mod_n" or config.residual == "res":
-        return [None] * n_wrappers
-    generator = torch.Generator().manual_seed(config.init_stream_seed)
-    return torch.randint(config.n_streams, (n_wrappers,), generator=generator).tolist()
-
-
-def authors_decayed(connection) -> list:
-    """What the authors' optimizer decays of one connection: every parameter with two or more
-    dimensions in their layout (hyper_conn/*.py), as (parameter, rows) pairs, rows None for all."""
-    n = connection.n_streams
-    if connection.name == "hc":  # static_alpha and dynamic_alpha_fn (W_a); dynamic_beta_fn (W_b) is 1-D there
-        return [(connection.static_alpha, None), (connection.proj.weight, slice(0, n + 1))]
-    if connection.name == "mhc":  # dynamic_alpha_fn, dynamic_beta_fn and static_alpha = [b_pre | b_res] (n, 1 + n)
-        return [(connection.proj.weight, None), (connection.bias_pre, None), (connection.bias_res, None)]
-    if connection.name == "mhclite":  # its static_alpha is 1-D: the projections only, as ours
-        return [(connection.proj.weight, None)]
-    return []
+def build_connection(config: GPTConfig, wrapper_index: int, stream_index: int | None = None):
+    """The connection of wrapper `wrapper_index`: residuals.py's, or with the authors' arithmetic
+    when config sets it (authors.py); stream_index (None: wrapper index mod n) is read at init."""
+    options = dict(recompute=config.recompute_connections, **connection_options(config),
+                   **authors.arithmetic(config))
+    connection = authors.connection_class(config)(config.n_embd, config.n_streams, wrapper_index, **options)
+    if stream_index is not None:
+        connection.stream_index = stream_index
+        connection.reset_parameters()
+    return connection
 
 
 class CausalSelfAttention(nn.Module):
@@ -202,12 +179,8 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
-        connection = RESIDUALS[config.residual]
-        options = dict(recompute=config.recompute_connections, **connection_options(config))
-        attn_stream, mlp_stream = ({} if index is None else dict(stream_index=index) for index in stream_indices)
-        self.attn_connection = connection(config.n_embd, config.n_streams, 2 * layer_index, **options, **attn_stream)
-        self.mlp_connection = connection(config.n_embd, config.n_streams, 2 * layer_index + 1, **options,
-                                         **mlp_stream)
+        self.attn_connection = build_connection(config, 2 * layer_index, stream_indices[0])
+        self.mlp_connection = build_connection(config, 2 * layer_index + 1, stream_indices[1])
         self.fused_connections = config.fused_connections
 
     def attn_branch(self, x):
@@ -232,7 +205,7 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
-        streams = init_streams(config)
+        streams = authors.init_streams(config)
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
@@ -304,7 +277,7 @@ class GPT(nn.Module):
         """AdamW that decays only the 2-D projection weights (Linear and Embedding weights,
         connection projections included); biases, scales, static HC matrices and norm gains
         are never decayed (SPEC section 2). With connection_weight_decay="authors" the
-        connections' decay follows authors_decayed(); rows of a tensor decayed in part (hc's W_a in
+        connections' decay follows authors.decayed(); rows of a tensor decayed in part (hc's W_a in
         its fused projection) get AdamW's decoupled decay from a step pre-hook, which is the same
         update as being in the decayed group, since AdamW decays before its Adam step."""
         decay_ids = {id(m.weight) for m in self.modules() if isinstance(m, (nn.Linear, nn.Embedding))}
@@ -312,7 +285,7 @@ class GPT(nn.Module):
         if self.config.connection_weight_decay == "authors":
             for connection in self.connections():
                 decay_ids.discard(id(connection.proj.weight))
-                for param, rows in authors_decayed(connection):
+                for param, rows in authors.decayed(connection):
                     if rows is None:
                         decay_ids.add(id(param))
                     else:

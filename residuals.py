@@ -1,33 +1,15 @@
-"""Residual connections for a pre-norm transformer, behind one interface.
+"""The paper's residual connections for a pre-norm transformer: res, hc, mhc and mhclite (RESIDUALS).
 
-    RESIDUALS = {"res": Residual, "hc": HyperConnection, "mhc": ManifoldHyperConnection,
-                 "mhclite": ManifoldHyperConnectionLite}
+A connection wraps one sublayer f: `Connection(width, n_streams, wrapper_index)(x, f)`, with the
+residual state x of shape (B, T, n, C) and f mapping (B, T, C) -> (B, T, C). Per token, the HC
+family computes (SPEC section 2)
 
-Every connection wraps one sublayer (attention or MLP). It is built as
-`Connection(width, n_streams, wrapper_index, ...)` and called as `connection(x, branch)`, where
-x is the residual state of shape (B, T, n, C) and `branch` maps (B, T, C) -> (B, T, C) (the
-pre-norm sublayer f). Streams sit next to channels, so flattening a token's state to n*C is a
-view. Per token, the HC family computes (SPEC section 2)
+    u         = sum_j h_pre[j] x[j]                        (the branch input)
+    x_next[i] = sum_j h_res[i, j] x[j] + h_post[i] f(u)
 
-    u           = sum_i h_pre[i] * x[i]                            (branch input)
-    x_next[i]   = sum_j h_res[i, j] * x[j] + h_post[i] * f(u)
-
-and the variants differ only in how h_pre, h_post and h_res are made from x: an RMS-normalised
-projection p of x (`projection_rows`, `projection_weight`), then `coefficients_from_projection(p)`.
-Precision: under bf16 autocast the projection GEMM runs in bf16 (any logits give an exact h_res);
-everything after it (RMS factor, sigmoid/tanh/softmax, Sinkhorn, the permutation combination) runs
-in fp32, and mhclite combines its permutation matrices with exact products and fp32 sums, never a
-matmul, so its h_res is doubly stochastic to fp32 rounding whatever the float32 matmul precision
-(TF32 or not). The mixing computes in fp32 and the output keeps the dtype of x: streams stored in
-float32 (nanoGPT's residual stream) or bfloat16 (the model's `stream_dtype`).
-
-Four options reproduce the authors' training code (docs/faithfulness.md) where it differs from the
-paper as written; the defaults are the paper's: `rms_eps` (1e-6 inside the root; 0 gives their
-F.normalize), `mixing_dtype`, `sinkhorn_order` (mhc) and `h_res_dtype` (mhclite). `stream_index`
-(the stream a wrapper reads at init) defaults to wrapper_index mod n.
-
-This file depends on torch only, so it can be copied into other models. fused_connections.py holds
-Triton kernels for the same computation, tested against this file.
+from an RMS-normalised projection of x; the variants differ in how they make h_pre, h_post, h_res.
+Depends on torch only, to be copied into other models: a host model's own weight init overwrites
+the connections' init, so call `reset_parameters()` on every connection after it.
 """
 
 import contextlib
@@ -39,12 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-RMS_EPS = 1e-6
-# F.normalize's floor on the L2 norm; as a floor on mean(x^2) it is this squared over the width.
-NORMALIZE_NORM_FLOOR = 1e-12
-SINKHORN_ORDERS = ("cols_then_rows", "rows_then_cols")
-H_RES_DTYPES = ("float32", "autocast")
-MIXING_DTYPES = ("float32", "autocast")
+RMS_EPS = 1e-6  # inside the connections' RMSNorm root
 
 # ----------------------------------------------------------------------------------------------
 # Building blocks
@@ -55,34 +32,18 @@ def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float64 else x.float()
 
 
-def sinkhorn(logits: torch.Tensor, iters: int = 20, order: str = "cols_then_rows") -> torch.Tensor:
+def sinkhorn(logits: torch.Tensor, iters: int = 20) -> torch.Tensor:
     """Sinkhorn-Knopp on exp(logits) over the last two dims, computed in log space.
 
-    With order "cols_then_rows" (the paper's worked example) each iteration normalises every
-    column to sum 1, then every row, so after any number of iterations the rows are exact and the
-    column sums carry the approximation error. "rows_then_cols" is the authors' code (which runs
-    cols-then-rows on the transposed matrix): the columns are exact.
-    Runs in fp32 (or float64 when given float64) and returns that dtype. Under torch.compile each
-    call site compiles its own copy of the 40 log-sum-exps; `shared_sinkhorn` below is one copy for
-    every call site.
+    Each iteration normalises every column to sum 1, then every row (the paper's worked example),
+    so the rows are exact and the column sums carry the approximation error. Runs in fp32 (or
+    float64 when given float64) and returns that dtype.
     """
-    if order not in SINKHORN_ORDERS:
-        raise ValueError(f"unknown sinkhorn_order '{order}'; valid: {', '.join(SINKHORN_ORDERS)}")
-    first, second = (-2, -1) if order == "cols_then_rows" else (-1, -2)
     log_p = at_least_fp32(logits)
     for _ in range(iters):
-        log_p = log_p - torch.logsumexp(log_p, dim=first, keepdim=True)
-        log_p = log_p - torch.logsumexp(log_p, dim=second, keepdim=True)
+        log_p = log_p - torch.logsumexp(log_p, dim=-2, keepdim=True)
+        log_p = log_p - torch.logsumexp(log_p, dim=-1, keepdim=True)
     return log_p.exp()
-
-
-# The same function as a nested compile region: torch.compile compiles it once and every mhc
-# connection calls that code (mhc's whole-model cold compile at S: 244 -> 76 s on CPU). Eager it is
-# plain sinkhorn. It is correct only with inductor's buffer reuse off: torch 2.13 does not know that
-# the region's saved-for-backward outputs alias its inputs, reuses that memory in the outer graph
-# and returns wrong gradients. So connections use it only when model.compile_model, which turns
-# that reuse off, sets `share_compiled_sinkhorn`.
-shared_sinkhorn = torch.compiler.nested_compile_region(sinkhorn)
 
 
 PERM_SAMPLINGS = ("uniform", "cover")
@@ -172,14 +133,13 @@ def autocast_matmul_dtype(device_type: str) -> torch.dtype | None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Capture hook for analysis: records what every connection computed during an ordinary forward.
-
-_capture_records: list | None = None
+# Capture for analysis: what every connection computed during an ordinary forward.
 
 
 @contextlib.contextmanager
-def capture_connections():
-    """Record every HC-family connection's coefficients during forward passes in this context.
+def capture_connections(module: nn.Module):
+    """Record the coefficients of every HC-family connection in `module` (a model or one
+    connection) during forward passes in this context.
 
     Yields a list that receives one dict per connection call, in forward order, with
     "wrapper" (index over the 2L wrappers), "residual" (name), "h_res" (B, T, n, n) with
@@ -188,12 +148,16 @@ def capture_connections():
     Tensors are detached fp32 copies on the model's device. Outside the context nothing is
     recorded and nothing is computed for it.
     """
-    global _capture_records
-    previous, _capture_records = _capture_records, []
+    records = []
+    connections = [m for m in module.modules() if isinstance(m, StreamConnection)]
+    previous = [connection.recorder for connection in connections]
+    for connection in connections:
+        connection.recorder = records
     try:
-        yield _capture_records
+        yield records
     finally:
-        _capture_records = previous
+        for connection, recorder in zip(connections, previous):
+            connection.recorder = recorder
 
 
 # ----------------------------------------------------------------------------------------------
@@ -225,40 +189,38 @@ class StreamConnection(nn.Module):
     Subclasses define a projection `proj` with its norm gain `norm_gain`, `projection_rows(x)` (the
     rows that are RMS-normalised and projected) and `coefficients_from_projection(p, matmul_dtype)
     -> dict` with fp32 "h_pre" (B, T, n), "h_post" (B, T, n), "h_res" (B, T, n, n) and any extra
-    entries worth recording for analysis. The RMS factor is rsqrt(mean(x^2) + rms_eps); rms_eps=0
-    is the authors' F.normalize (x / max(||x||, 1e-12) * sqrt(D)). mixing_dtype="autocast" mixes as
-    the authors' einsum does under autocast: h_pre, h_res and x rounded to the autocast dtype, the
-    sums in fp32, u and h_res x rounded to it; the post add stays fp32 (their einsum there is a
-    product without a sum, which autocast leaves in fp32), so the streams keep their dtype.
+    entries worth recording for analysis. `stream_index` is the stream this wrapper reads at init
+    (reset_parameters reads it); `recorder` is the list capture_connections() fills, or None.
+    Under bf16 autocast only the projection GEMM runs in bf16, the rest in fp32 (so mhclite's h_res
+    is doubly stochastic to fp32 rounding); the output keeps the dtype of x.
     """
 
     name = ""
 
-    def __init__(self, width: int, n_streams: int, wrapper_index: int, recompute: bool = False,
-                 rms_eps: float = RMS_EPS, stream_index: int | None = None, mixing_dtype: str = "float32"):
+    def __init__(self, width: int, n_streams: int, wrapper_index: int, recompute: bool = False):
         super().__init__()
         if n_streams < 1:
             raise ValueError(f"n_streams must be >= 1, got {n_streams}")
-        if rms_eps < 0:
-            raise ValueError(f"rms_eps must be >= 0, got {rms_eps}")
-        if mixing_dtype not in MIXING_DTYPES:
-            raise ValueError(f"unknown mixing_dtype '{mixing_dtype}'; valid: {', '.join(MIXING_DTYPES)}")
         self.width, self.n_streams, self.wrapper_index = width, n_streams, wrapper_index
-        # the stream this wrapper reads at init
-        self.stream_index = wrapper_index % n_streams if stream_index is None else stream_index
-        if not 0 <= self.stream_index < n_streams:
-            raise ValueError(f"stream_index must be in 0..{n_streams - 1}, got {self.stream_index}")
+        self.stream_index = wrapper_index % n_streams
         self.recompute = recompute
-        self.rms_eps, self.mixing_dtype = rms_eps, mixing_dtype
+        self.recorder = None
 
     def projection_weight(self):
         """The projection with the RMSNorm gain folded in (every subclass has `proj` and `norm_gain`)."""
         return self.proj.weight * self.norm_gain
 
+    def projection(self, x, matmul_dtype=None):
+        """p = RMSNorm(projection_rows(x)) @ W^T (fp32); the GEMM in matmul_dtype when given."""
+        return rms_projection(self.projection_rows(x), self.projection_weight(), matmul_dtype)
+
     def coefficients(self, x, matmul_dtype=None):
         """The coefficients of x (fp32); the projection GEMM in matmul_dtype when given."""
-        p = _RMSProjection.apply(self.projection_rows(x), self.projection_weight(), matmul_dtype, self.rms_eps)
-        return self.coefficients_from_projection(p, matmul_dtype)
+        return self.coefficients_from_projection(self.projection(x, matmul_dtype), matmul_dtype)
+
+    def mix(self, mixer, x, matmul_dtype=None):
+        """sum_j mixer[..., r, j] x[..., j, :] in fp32."""
+        return mix_streams(mixer, x)
 
     def _pre(self, x):
         """The coefficients, the branch input u and the mixed streams h_res x (all fp32)."""
@@ -268,11 +230,7 @@ class StreamConnection(nn.Module):
             coeffs = self.coefficients(x, matmul_dtype)
             # One pass over x for both: row 0 of the product is u, rows 1..n are h_res x.
             mixer = torch.cat([coeffs["h_pre"].unsqueeze(-2), coeffs["h_res"]], dim=-2)  # (B, T, n+1, n)
-            if self.mixing_dtype == "autocast" and matmul_dtype is not None:
-                rounded = mix_streams(mixer.to(matmul_dtype).float(), x.to(matmul_dtype).float())
-                products = rounded.to(matmul_dtype).float()
-            else:
-                products = mix_streams(mixer, x)
+            products = self.mix(mixer, x, matmul_dtype)
             branch_input, mixed = products.split([1, self.n_streams], dim=-2)
         # A copy of u, so that the branch (which saves its input) does not keep the whole product alive.
         return coeffs, branch_input.squeeze(-2).contiguous(), mixed
@@ -283,7 +241,8 @@ class StreamConnection(nn.Module):
             coeffs, branch_input, mixed = checkpoint(self._pre, x, use_reentrant=False)
         else:
             coeffs, branch_input, mixed = self._pre(x)
-        record_coefficients(self, coeffs)
+        if self.recorder is not None:
+            self.record(coeffs)
         y = branch(branch_input)
         with torch.autocast(x.device.type, enabled=False):
             return torch.addcmul(mixed, coeffs["h_post"].unsqueeze(-1), y.unsqueeze(-2)).to(x.dtype)
@@ -295,18 +254,19 @@ class StreamConnection(nn.Module):
         return 2 * n * n * c + 6 * n * c
 
 
-def record_coefficients(module, coeffs):
-    """Hand a connection's coefficients to an active capture_connections() context."""
-    if _capture_records is not None:
-        _capture_records.append({"wrapper": module.wrapper_index, "residual": module.name,
-                                 **{key: value.detach().float() for key, value in coeffs.items()}})
+    def record(self, coeffs):
+        """Hand the coefficients to the capture_connections() context that set `recorder`."""
+        self.recorder.append({"wrapper": self.wrapper_index, "residual": self.name,
+                              **{key: value.detach().float() for key, value in coeffs.items()}})
+
+
+def rms_projection(x, w, matmul_dtype=None, eps=RMS_EPS, mean_square_floor=0.0):
+    """(x @ w.T) * rsqrt(max(mean(x^2) + eps, mean_square_floor)) over the last dim (_RMSProjection)."""
+    return _RMSProjection.apply(x, w, matmul_dtype, eps, mean_square_floor)
 
 
 class _RMSProjection(torch.autograd.Function):
     """(x @ w.T) * rsqrt(max(mean(x^2) + eps, floor)) over the last dim, with a hand-written backward.
-
-    The floor, (1e-12)^2 / D, is F.normalize's: it only binds for eps = 0 and an all-zero row,
-    where it keeps the result 0 instead of NaN.
 
     This is RMSNorm(x; gain) @ weight.T with the gain folded into w = weight * gain. The normalised
     copy of x is never materialised, and the backward makes one matmul and one fused multiply-add
@@ -317,9 +277,9 @@ class _RMSProjection(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, w, matmul_dtype, eps=RMS_EPS):
+    def forward(ctx, x, w, matmul_dtype, eps, mean_square_floor):
         mean_square = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() / x.shape[-1]
-        rms_inv = torch.rsqrt((mean_square + eps).clamp_min(NORMALIZE_NORM_FLOOR**2 / x.shape[-1]))
+        rms_inv = torch.rsqrt((mean_square + eps).clamp_min(mean_square_floor))
         z = _matmul(x, w.t(), matmul_dtype, x.dtype)
         ctx.matmul_dtype = matmul_dtype
         ctx.save_for_backward(x, w, z, rms_inv)
@@ -334,7 +294,7 @@ class _RMSProjection(torch.autograd.Function):
         grad_rms_inv = (grad_y * z).sum(-1, keepdim=True)
         grad_x = torch.addcmul(_matmul(grad_z, w, ctx.matmul_dtype, x.dtype), x,
                                grad_rms_inv * rms_inv.pow(3) / -x.shape[-1])
-        return grad_x, grad_w, None, None
+        return grad_x, grad_w, None, None, None
 
 
 def _matmul(a, b, operand_dtype, out_dtype):
@@ -356,9 +316,8 @@ class HyperConnection(StreamConnection):
 
     name = "hc"
 
-    def __init__(self, width, n_streams, wrapper_index, recompute=False, rms_eps=RMS_EPS, stream_index=None,
-                 mixing_dtype="float32"):
-        super().__init__(width, n_streams, wrapper_index, recompute, rms_eps, stream_index, mixing_dtype)
+    def __init__(self, width, n_streams, wrapper_index, recompute=False):
+        super().__init__(width, n_streams, wrapper_index, recompute)
         n = n_streams
         self.norm_gain = nn.Parameter(torch.ones(width))
         self.proj = nn.Linear(width, n + 2, bias=False)  # [W_a | W_b] fused
@@ -393,11 +352,12 @@ class HyperConnection(StreamConnection):
 
 class ManifoldConnectionBase(StreamConnection):
     """Shared part of mhc and mhclite (SPEC section 2): one RMSNorm over all n*C entries and one
-    fused projection [W_pre | W_post | W_res]; subclasses turn the res logits into h_res."""
+    fused projection p = [p_pre | p_post | p_res], then
+      h_pre  = sigmoid(s_pre * p_pre + b_pre),   h_post = 2 sigmoid(s_post * p_post + b_post),
+      logits = s_res * p_res + b_res,            which subclasses turn into h_res."""
 
-    def __init__(self, width, n_streams, wrapper_index, recompute=False, rms_eps=RMS_EPS, stream_index=None,
-                 mixing_dtype="float32", res_logits=0):
-        super().__init__(width, n_streams, wrapper_index, recompute, rms_eps, stream_index, mixing_dtype)
+    def __init__(self, width, n_streams, wrapper_index, recompute=False, res_logits=0):
+        super().__init__(width, n_streams, wrapper_index, recompute)
         n = n_streams
         self.res_logits = res_logits
         self.norm_gain = nn.Parameter(torch.ones(n * width))
@@ -432,18 +392,17 @@ class ManifoldConnectionBase(StreamConnection):
 
 
 class ManifoldHyperConnection(ManifoldConnectionBase):
-    """mhc: h_res = Sinkhorn-Knopp(exp(mat(logits))) with a fixed number of iterations and order."""
+    """mhc: h_res = Sinkhorn-Knopp(exp(mat(logits))) with a fixed number of iterations.
+
+    `sinkhorn_fn` is the Sinkhorn it calls: `sinkhorn`, or the same function compiled once for
+    every connection (model.compile_model sets it)."""
 
     name = "mhc"
-    share_compiled_sinkhorn = False  # True: call shared_sinkhorn (set by model.compile_model)
 
-    def __init__(self, width, n_streams, wrapper_index, recompute=False, rms_eps=RMS_EPS, stream_index=None,
-                 mixing_dtype="float32", sinkhorn_iters: int = 20, sinkhorn_order: str = "cols_then_rows"):
-        super().__init__(width, n_streams, wrapper_index, recompute, rms_eps, stream_index, mixing_dtype,
-                         res_logits=n_streams * n_streams)
-        if sinkhorn_order not in SINKHORN_ORDERS:
-            raise ValueError(f"unknown sinkhorn_order '{sinkhorn_order}'; valid: {', '.join(SINKHORN_ORDERS)}")
-        self.sinkhorn_iters, self.sinkhorn_order = sinkhorn_iters, sinkhorn_order
+    def __init__(self, width, n_streams, wrapper_index, recompute=False, sinkhorn_iters: int = 20):
+        super().__init__(width, n_streams, wrapper_index, recompute, res_logits=n_streams * n_streams)
+        self.sinkhorn_iters = sinkhorn_iters
+        self.sinkhorn_fn = sinkhorn
         self.reset_parameters()
 
     @torch.no_grad()
@@ -454,8 +413,7 @@ class ManifoldHyperConnection(ManifoldConnectionBase):
 
     def residual_matrix(self, logits, matmul_dtype=None):
         logits = logits.unflatten(-1, (self.n_streams, self.n_streams))
-        project = shared_sinkhorn if self.share_compiled_sinkhorn else sinkhorn
-        return {"h_res": project(logits, self.sinkhorn_iters, self.sinkhorn_order), "logits": logits}
+        return {"h_res": self.sinkhorn_fn(logits, self.sinkhorn_iters), "logits": logits}
 
 
 class ManifoldHyperConnectionLite(ManifoldConnectionBase):
@@ -463,22 +421,15 @@ class ManifoldHyperConnectionLite(ManifoldConnectionBase):
 
     Exactly doubly stochastic by construction (Birkhoff-von Neumann): every P_k is, and the
     weights are a convex combination. All n! permutations by default (n <= 5), else a seeded
-    subset of `num_perms` that always includes the identity. h_res_dtype="autocast" combines them
-    as the authors' einsum does under autocast: a matmul in the autocast dtype, whose bf16 result
-    is doubly stochastic only to bf16 rounding.
+    subset of `num_perms` that always includes the identity.
     """
 
     name = "mhclite"
 
-    def __init__(self, width, n_streams, wrapper_index, recompute=False, rms_eps=RMS_EPS, stream_index=None,
-                 mixing_dtype="float32", num_perms: int | None = None, perm_sampling: str = "uniform",
-                 perm_seed: int = 0, h_res_dtype: str = "float32"):
-        if h_res_dtype not in H_RES_DTYPES:
-            raise ValueError(f"unknown h_res_dtype '{h_res_dtype}'; valid: {', '.join(H_RES_DTYPES)}")
+    def __init__(self, width, n_streams, wrapper_index, recompute=False, num_perms: int | None = None,
+                 perm_sampling: str = "uniform", perm_seed: int = 0):
         perms = permutations(n_streams, num_perms, perm_seed, perm_sampling)
-        super().__init__(width, n_streams, wrapper_index, recompute, rms_eps, stream_index, mixing_dtype,
-                         res_logits=len(perms))
-        self.h_res_dtype = h_res_dtype
+        super().__init__(width, n_streams, wrapper_index, recompute, res_logits=len(perms))
         # The index set is saved with the weights, so a loaded model uses the permutations its
         # W_res columns were trained for; the 0/1 matrix is derived from it and not saved.
         self.register_buffer("perms", perms)
@@ -494,11 +445,8 @@ class ManifoldHyperConnectionLite(ManifoldConnectionBase):
 
     def residual_matrix(self, logits, matmul_dtype=None):
         weights = torch.softmax(logits, dim=-1)
-        if self.h_res_dtype == "autocast" and matmul_dtype is not None:
-            h_res = _matmul(weights, self.perm_matrices, matmul_dtype, matmul_dtype).to(weights.dtype)
-        else:
-            # Exact 0/1 products and fp32 sums; a matmul here would round the weights under TF32.
-            h_res = (weights.unsqueeze(-1) * self.perm_matrices).sum(-2)
+        # Exact 0/1 products and fp32 sums; a matmul here would round the weights under TF32.
+        h_res = (weights.unsqueeze(-1) * self.perm_matrices).sum(-2)
         return {"h_res": h_res.unflatten(-1, (self.n_streams, self.n_streams)), "perm_weights": weights}
 
 

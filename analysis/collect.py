@@ -115,7 +115,7 @@ def collect(ckpt_path, out_path, num_seqs=64, seq_len=1024, batch_size=8, max_to
             last = min(first + batch_size, num_seqs)
             batch = torch.from_numpy(tokens[first * seq_len: last * seq_len].astype(np.int64))
             autocast = torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
-            with torch.no_grad(), autocast, capture_connections() as records:
+            with torch.no_grad(), autocast, capture_connections(model) as records:
                 model(batch.view(-1, seq_len).to(device))
             if [r["wrapper"] for r in records] != list(range(n_wrappers)):
                 raise AnalysisError(f"expected one record per wrapper 0..{n_wrappers - 1} in forward order, "

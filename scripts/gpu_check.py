@@ -71,7 +71,7 @@ def stochasticity_errors(run_dir, device):
         return None, None
     shape = (COLSUM_SEQUENCES, model.config.block_size)
     idx = torch.randint(0, GPT2_TOKENS, shape, generator=torch.Generator().manual_seed(0)).to(device)
-    with capture_connections() as records, torch.autocast(device.type, dtype=torch.bfloat16):
+    with capture_connections(model) as records, torch.autocast(device.type, dtype=torch.bfloat16):
         model(idx)
     h = torch.cat([r["h_res"].flatten(0, -3) for r in records])
     return (h.sum(-1) - 1).abs().max().item(), (h.sum(-2) - 1).abs().max().item()

@@ -298,7 +298,7 @@ def test_collect_shapes_and_token_order(runs, collected):
     model, _ = load_model(str(runs["mhc"] / "ckpt.pt"))
     train = np.fromfile(runs["mhc"].parent.parent / "data" / DATASET / "train.bin", dtype=np.uint16)
     sequence = torch.from_numpy(train[3 * SEQ_LEN: 4 * SEQ_LEN].astype(np.int64))[None]
-    with torch.no_grad(), capture_connections() as records:
+    with torch.no_grad(), capture_connections(model) as records:
         model(sequence)
     data = np.load(collected["mhc"])
     for w, record in enumerate(records):

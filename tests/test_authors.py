@@ -8,9 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import authors
+from authors import AUTHORS_CONNECTIONS
 from config import REPO_DIR, load_config
-from model import GPT, GPTConfig, authors_decayed
-from residuals import RESIDUALS, capture_connections, permutation_matrices, sinkhorn
+from model import GPT, GPTConfig
+from residuals import RESIDUALS, capture_connections, permutation_matrices, rms_projection, sinkhorn
 
 N, C = 4, 8
 
@@ -65,7 +67,7 @@ def test_per_stream_final_norm_is_layernorm_of_each_stream_then_the_sum():
 
 @pytest.mark.parametrize("residual", ["hc", "mhc", "mhclite"])
 def test_rms_eps_zero_is_the_authors_f_normalize(residual):
-    connection = RESIDUALS[residual](C, N, 1, rms_eps=0.0).double()
+    connection = AUTHORS_CONNECTIONS[residual](C, N, 1, rms_eps=0.0).double()
     randomise(connection)
     x = 1e-3 * torch.randn(2, 3, N, C, dtype=torch.float64, generator=torch.Generator().manual_seed(0))  # small
     # rows, where 1e-6 would matter
@@ -95,7 +97,8 @@ def authors_sinkhorn(log_alpha, iters):
 
 def test_rows_then_cols_sinkhorn_is_the_authors_on_the_transposed_matrix():
     logits = 6 * torch.randn(5, N, N, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    ours = sinkhorn(logits, 20, order="rows_then_cols")
+    connection = AUTHORS_CONNECTIONS["mhc"](C, N, 1, sinkhorn_order="rows_then_cols")
+    ours = connection.residual_matrix(logits.flatten(-2))["h_res"]
     torch.testing.assert_close(ours, authors_sinkhorn(logits.transpose(-1, -2), 20).transpose(-1, -2),
                                rtol=0, atol=1e-15)
     assert (ours.sum(-2) - 1).abs().max() < 1e-14  # their columns are exact ...
@@ -155,15 +158,15 @@ def test_connection_weight_decay_per_variant(residual, setting):
     torch.testing.assert_close(model.lm_head.weight.detach(), before["transformer.wte.weight"] * (1 - lr * decay))
     connection = model.transformer.h[0].attn_connection
     names = {id(q): n for n, q in connection.named_parameters()}
-    assert {(names[id(q)], rows and (rows.start, rows.stop)) for q, rows in authors_decayed(connection)} == \
+    assert {(names[id(q)], rows and (rows.start, rows.stop)) for q, rows in authors.decayed(connection)} == \
         AUTHORS_DECAYED[residual]
 
 
 def test_h_res_autocast_is_the_authors_permutation_einsum():
-    connection = RESIDUALS["mhclite"](C, N, 1, h_res_dtype="autocast")
+    connection = AUTHORS_CONNECTIONS["mhclite"](C, N, 1, h_res_dtype="autocast")
     randomise(connection, scale=2.0)
     x = torch.randn(2, 5, N, C, generator=torch.Generator().manual_seed(0))
-    with torch.autocast("cpu", torch.bfloat16), capture_connections() as records:
+    with torch.autocast("cpu", torch.bfloat16), capture_connections(connection) as records:
         connection(x, lambda u: u)
     weights, h_res = records[0]["perm_weights"], records[0]["h_res"]
     with torch.autocast("cpu", torch.bfloat16):
@@ -173,7 +176,7 @@ def test_h_res_autocast_is_the_authors_permutation_einsum():
     assert (h_res.sum(-1) - 1).abs().max() > 1e-5  # doubly stochastic only to bf16 rounding
     default = RESIDUALS["mhclite"](C, N, 1)
     default.load_state_dict(connection.state_dict())
-    with torch.autocast("cpu", torch.bfloat16), capture_connections() as records:
+    with torch.autocast("cpu", torch.bfloat16), capture_connections(default) as records:
         default(x, lambda u: u)
     assert (records[0]["h_res"].sum(-1) - 1).abs().max() < 1e-6
 
@@ -182,11 +185,11 @@ def test_h_res_autocast_is_the_authors_permutation_einsum():
 def test_mixing_autocast_is_the_authors_bf16_einsum(residual):
     """Their width connection: mix_h = einsum(alpha, x) under autocast (bf16 operands, bf16 result);
     their depth connection adds h_post * f(u) in fp32 (a product without a sum stays fp32)."""
-    connection = RESIDUALS[residual](C, N, 1, mixing_dtype="autocast")
+    connection = AUTHORS_CONNECTIONS[residual](C, N, 1, mixing_dtype="autocast")
     randomise(connection)
     x = torch.randn(2, 5, N, C, generator=torch.Generator().manual_seed(0))
     branch = torch.nn.Linear(C, C)
-    with torch.autocast("cpu", torch.bfloat16), capture_connections() as records:
+    with torch.autocast("cpu", torch.bfloat16), capture_connections(connection) as records:
         out = connection(x, branch)
     c = records[0]
     with torch.autocast("cpu", torch.bfloat16):
@@ -204,3 +207,60 @@ def test_mixing_autocast_is_the_authors_bf16_einsum(residual):
     with torch.autocast("cpu", torch.bfloat16):
         default_out = default(x, lambda u: torch.zeros_like(u))
     assert not torch.equal(default_out, default_out.bfloat16().float())
+
+
+def autocast_coefficients(connection, x):
+    with torch.autocast("cpu", torch.bfloat16), capture_connections(connection) as records:
+        connection(x, lambda u: u)
+    return records[0]
+
+
+@pytest.mark.parametrize("residual", ["hc", "mhc", "mhclite"])
+def test_mixing_autocast_projection_is_the_authors_bf16_matmul_of_their_rmsnorm(residual):
+    connection = AUTHORS_CONNECTIONS[residual](C, N, 1, rms_eps=0.0, mixing_dtype="autocast")
+    randomise(connection)
+    x = torch.randn(2, 5, N, C, generator=torch.Generator().manual_seed(0))
+    rows = connection.projection_rows(x)
+    with torch.autocast("cpu", torch.bfloat16):  # theirs: RMSNorm(x) @ W, the operand rounded by autocast
+        theirs = (F.normalize(rows, dim=-1) * math.sqrt(rows.shape[-1]) * connection.norm_gain) @ \
+            connection.proj.weight.t()
+    ours = connection.projection(x, torch.bfloat16)
+    assert theirs.dtype == ours.dtype == torch.bfloat16 and torch.equal(ours, theirs)
+    # residuals.py's order rounds x and the gain-folded weight, and applies the RMS factor after the GEMM
+    paper_order = rms_projection(rows, connection.projection_weight(), torch.bfloat16, 0.0).bfloat16()
+    assert not torch.equal(ours, paper_order)
+
+
+def test_mixing_autocast_rounds_hc_dynamic_coefficients_as_the_authors_tanh():
+    """Their hc: tanh of the bf16 projection, times a 0-dim scale (still bf16), plus the static part."""
+    connection = AUTHORS_CONNECTIONS["hc"](C, N, 1, mixing_dtype="autocast")
+    randomise(connection)
+    x = torch.randn(2, 5, N, C, generator=torch.Generator().manual_seed(0))
+    p = connection.projection(x, torch.bfloat16)  # their `normed @ dynamic_alpha_fn` comes out in bf16
+    dynamic_alpha = torch.tanh(p[..., : N + 1]) * connection.scale_alpha
+    dynamic_beta = torch.tanh(p[..., N + 1]) * connection.scale_beta
+    assert p.dtype == dynamic_alpha.dtype == dynamic_beta.dtype == torch.bfloat16
+    alpha, beta = dynamic_alpha + connection.static_alpha, dynamic_beta + connection.static_beta
+    ours = autocast_coefficients(connection, x)
+    assert torch.equal(ours["h_pre"], alpha[..., 0]) and torch.equal(ours["h_post"], beta)
+    assert torch.equal(ours["h_res"], alpha[..., 1:].transpose(-1, -2))
+    unrounded = connection.static_beta + connection.scale_beta * torch.tanh(p[..., N + 1].float())
+    assert not torch.equal(ours["h_post"], unrounded)
+
+
+@pytest.mark.parametrize("residual", ["mhc", "mhclite"])
+def test_mixing_autocast_rounds_the_post_product_as_the_authors_0_dim_scale(residual):
+    """Their mhc/mhclite: the bf16 projection times the 1-element pre and res scales is fp32, times
+    the 0-dim post scale is bf16, before the static parts are added."""
+    connection = AUTHORS_CONNECTIONS[residual](C, N, 1, mixing_dtype="autocast")
+    randomise(connection)
+    x = torch.randn(2, 5, N, C, generator=torch.Generator().manual_seed(0))
+    p = connection.projection(x, torch.bfloat16)
+    dynamic_pre = p[..., :N] * connection.scale_pre.reshape(1)  # their pre_branch_scale: shape (1,)
+    dynamic_post = p[..., N: 2 * N] * connection.scale_post  # their h_post_scale: shape ()
+    assert (p.dtype, dynamic_pre.dtype, dynamic_post.dtype) == (torch.bfloat16, torch.float32, torch.bfloat16)
+    ours = autocast_coefficients(connection, x)
+    torch.testing.assert_close(ours["h_pre"], (dynamic_pre + connection.bias_pre).sigmoid(), rtol=1e-6, atol=0)
+    assert torch.equal(ours["h_post"], (dynamic_post + connection.bias_post).sigmoid() * 2)
+    unrounded = (p[..., N: 2 * N].float() * connection.scale_post + connection.bias_post).sigmoid() * 2
+    assert not torch.equal(ours["h_post"], unrounded)

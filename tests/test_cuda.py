@@ -61,7 +61,7 @@ def matmul_precision(allow_tf32, precision):
 def test_mhclite_exact_whatever_the_matmul_precision(allow_tf32, precision, autocast, fused):
     torch.manual_seed(0)
     model = off_init(GPT(tiny("mhclite", fused_connections=fused)).to(DEVICE), scale=2.0)
-    with matmul_precision(allow_tf32, precision), capture_connections() as records, torch.no_grad():
+    with matmul_precision(allow_tf32, precision), capture_connections(model) as records, torch.no_grad():
         with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
             model(tokens())
     h = torch.cat([r["h_res"].flatten(0, -3) for r in records])

@@ -169,7 +169,7 @@ def test_sums_are_measured_on_held_out_text(study, written):
     for variant in ("hc", "mhc", "mhclite"):
         path = study["paths"][variant, 3, LR, 1]
         model = depth_study.load_model(str(path / "ckpt.pt"))[0]
-        with torch.no_grad(), capture_connections() as records:
+        with torch.no_grad(), capture_connections(model) as records:
             model(torch.from_numpy(val.astype(np.int64)).view(NUM_SEQS, 16))
         h = [r["h_res"].double().reshape(-1, 4, 4) for r in records]
         product = h[0]

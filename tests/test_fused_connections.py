@@ -22,6 +22,7 @@ if DEVICE == "cpu":
 triton = pytest.importorskip("triton")
 
 import fused_connections  # noqa: E402
+from authors import AUTHORS_CONNECTIONS  # noqa: E402
 from fused_connections import (connection_post, connection_post_backward, connection_pre,  # noqa: E402
                                connection_pre_backward)
 from model import GPT, GPTConfig  # noqa: E402
@@ -301,7 +302,7 @@ def test_mhclite_fused_h_res_is_doubly_stochastic(autocast):
     n, width, scale = N, 16, 100.0
     module = randomise(RESIDUALS["mhclite"](width, n, 0), scale=scale).to(DEVICE)
     x = randn(2, 9, n, width, seed=1, scale=scale)
-    with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast), capture_connections() as records:
+    with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast), capture_connections(module) as records:
         fused_connections.connection_forward(module, x, torch.tanh)
     h_res = records[0]["h_res"].reshape(-1, n, n).double()
     assert (h_res.sum(-1) - 1).abs().max() < 1e-6
@@ -370,8 +371,11 @@ def test_supported_only_where_the_kernels_can_run(monkeypatch):
     for residual, setting in [("hc", dict(rms_eps=0.0)), ("mhclite", dict(mixing_dtype="autocast")),
                               ("mhc", dict(sinkhorn_order="rows_then_cols")),
                               ("mhclite", dict(h_res_dtype="autocast"))]:
-        assert reason(RESIDUALS[residual](width, N, 0, **setting), x) is not None, setting
-    assert reason(RESIDUALS["mhclite"](width, N, 0, stream_index=3), x) is None  # only an init value
+        assert reason(AUTHORS_CONNECTIONS[residual](width, N, 0, **setting), x) is not None, setting
+    drawn_init = RESIDUALS["mhclite"](width, N, 0)
+    drawn_init.stream_index = 3
+    drawn_init.reset_parameters()
+    assert reason(drawn_init, x) is None  # only an init value
     assert "float32 or bfloat16" in reason(module, x.half())
     assert "float32 or bfloat16" in reason(module, x.double())
     assert "(B, T, n, C)" in reason(module, x[..., :4])  # not this module's width

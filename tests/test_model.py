@@ -154,7 +154,7 @@ def test_model_capture_covers_every_wrapper_and_keeps_output(residual):
     model = GPT(tiny(residual)).eval()
     idx = tokens()
     plain, _ = model(idx, idx)
-    with capture_connections() as records:
+    with capture_connections(model) as records:
         captured, _ = model(idx, idx)
     assert torch.equal(plain, captured)
     assert [r["wrapper"] for r in records] == list(range(8))
@@ -213,7 +213,7 @@ def test_bfloat16_streams_are_stored_in_bfloat16_and_track_float32(residual):
         seen = []
         hooks = [m.register_forward_hook(lambda m, args, out: seen.append((args[0].dtype, out.dtype)))
                  for m in model.connections()]
-        with capture_connections() as records:
+        with capture_connections(model) as records:
             _, loss = model(tokens(), tokens(seed=1))
         loss.backward()
         for hook in hooks:

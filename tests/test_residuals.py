@@ -113,7 +113,7 @@ def test_gradients_match_finite_differences(residual):
 def mhclite_h_res(n=4, c=16, scale=100.0, autocast=False, seed=0, **kwargs):
     module = randomise(ManifoldHyperConnectionLite(c, n, 0, **kwargs), scale=scale, seed=seed)
     x = stream_state(b=4, t=16, n=n, c=c, seed=seed + 1) * scale
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), capture_connections() as records:
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), capture_connections(module) as records:
         module(x, branch)
     return records[0]["h_res"].reshape(-1, n, n)
 
@@ -205,7 +205,7 @@ def test_product_of_48_mhclite_matrices_stays_doubly_stochastic():
 def test_mhc_h_res_is_not_doubly_stochastic_for_large_logits():
     """The contrast that motivates mhclite: 20 SK iterations leave column error at large logits."""
     module = randomise(ManifoldHyperConnection(16, 4, 0), scale=100.0)
-    with capture_connections() as records:
+    with capture_connections(module) as records:
         module(stream_state(b=4, t=16, n=4, c=16) * 100.0, branch)
     h = records[0]["h_res"]
     assert (h.sum(-1) - 1).abs().max() < 1e-5  # rows are exact by construction of the iteration
@@ -343,7 +343,7 @@ def test_permutation_set_travels_with_state_dict():
 
 def test_mhclite_init_concentrates_on_identity():
     module = ManifoldHyperConnectionLite(16, 4, 5)
-    with capture_connections() as records:
+    with capture_connections(module) as records:
         module(stream_state(c=16), branch)
     weights = records[0]["perm_weights"]
     expected_identity = 1 / (1 + 23 * math.exp(-8))  # b_res = 0 at the identity, -8 elsewhere
@@ -356,7 +356,7 @@ def test_mhclite_init_concentrates_on_identity():
 def test_mhc_init_is_near_identity_and_pre_post_pick_stream_k():
     wrapper = 6
     module = ManifoldHyperConnection(16, 4, wrapper)
-    with capture_connections() as records:
+    with capture_connections(module) as records:
         module(stream_state(c=16), branch)
     rec = records[0]
     torch.testing.assert_close(rec["h_res"].diagonal(dim1=-2, dim2=-1), torch.full((2, 5, 4), 0.999), atol=2e-4, rtol=0)
@@ -386,7 +386,7 @@ def test_capture_records_documented_shapes_and_changes_nothing(residual):
     module = randomise(RESIDUALS[residual](8, 4, 3), scale=0.3)
     x = stream_state()
     plain = module(x, branch)
-    with capture_connections() as records:
+    with capture_connections(module) as records:
         captured = module(x, branch)
     assert torch.equal(plain, captured)
     assert len(records) == 1
@@ -396,7 +396,7 @@ def test_capture_records_documented_shapes_and_changes_nothing(residual):
     assert ("logits" in rec) == (residual == "mhc")
     if residual == "mhc":
         torch.testing.assert_close(sinkhorn(rec["logits"]), rec["h_res"])
-    with capture_connections() as outside_only:
+    with capture_connections(module) as outside_only:
         pass
     module(x, branch)
     assert outside_only == []
