@@ -54,32 +54,48 @@ def prompt_and_endings(item):
     return clean(item["activity_label"] + ": " + context), [clean(e) for e in item["endings"]], int(item["label"])
 
 
-def read_items(source, limit=None):
-    """The items of a local file (by its extension) or of a Hugging Face dataset's validation split."""
-    extension = os.path.splitext(source)[1].lower()
+def read_file(path):
+    """The items (dicts) of a .jsonl file, a .json file (a list of items, or JSON lines) or a .parquet file."""
+    if not os.path.isfile(path):
+        raise HellaSwagError(f"no data file {path}")
     try:
-        if extension in FILE_FORMATS:
-            if not os.path.isfile(source):
-                raise HellaSwagError(f"no data file {source}")
-            import datasets
-            items = datasets.load_dataset(FILE_FORMATS[extension], data_files=source, split="train")
-        else:
-            import datasets
-            items = datasets.load_dataset(source, split=SPLIT)
-    except HellaSwagError:
-        raise
-    except Exception as e:  # datasets raises many types (offline, missing, malformed); all are one line here
+        if path.lower().endswith(".parquet"):
+            import pyarrow.parquet
+            return pyarrow.parquet.read_table(path).to_pylist()
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        if path.lower().endswith(".json") and text.lstrip().startswith("["):
+            return json.loads(text)
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError, ValueError) as e:  # pyarrow's errors are ValueErrors or OSErrors
+        raise HellaSwagError(f"cannot read {path}: {str(e).splitlines()[0]}") from None
+
+
+def read_hub(name):
+    """The validation split of a Hugging Face dataset, as a list of dicts."""
+    import datasets
+    datasets.disable_progress_bars()
+    try:
+        return datasets.load_dataset(name, split=SPLIT).to_list()
+    except Exception as e:  # datasets raises many types (offline, unknown name, no such split); one line here
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise HellaSwagError(f"cannot read HellaSwag items from {source}: {first}") from None
-    missing = [field for field in FIELDS if field not in items.column_names]
-    if missing:
-        raise HellaSwagError(f"{source} lacks the field(s) {', '.join(missing)}; HellaSwag items need "
-                             f"{', '.join(FIELDS)}")
-    items = items.select(range(min(limit, len(items)))) if limit is not None else items
-    if len(items) == 0:
+        raise HellaSwagError(f"cannot load the {SPLIT} split of {name}: {first}") from None
+
+
+def read_items(source, limit=None):
+    """(context, endings, gold) of each item of a local file (by its extension) or a Hugging Face
+    dataset, the first `limit` only when given."""
+    local = os.path.splitext(source)[1].lower() in FILE_FORMATS
+    items = read_file(source) if local else read_hub(source)
+    items = items[:limit] if limit is not None else items
+    if not items:
         raise HellaSwagError(f"{source} has no items")
     parsed = []
     for i, item in enumerate(items):
+        missing = [field for field in FIELDS if not isinstance(item, dict) or field not in item]
+        if missing:
+            raise HellaSwagError(f"{source}: item {i} lacks the field(s) {', '.join(missing)}; HellaSwag items "
+                                 f"need {', '.join(FIELDS)}")
         try:
             context, endings, gold = prompt_and_endings(item)
             if not endings or not 0 <= gold < len(endings):

@@ -90,3 +90,16 @@ def test_bad_input_is_one_error_line(hellaswag_runs, tmp_path):
         result = run_cli(*args)
         assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
         assert result.stderr.startswith("error: ") and message in result.stderr
+
+
+def test_json_and_parquet_files_give_the_items_of_the_jsonl(tmp_path):
+    import pyarrow
+    import pyarrow.parquet
+
+    rows = [json.loads(line) for line in HELLASWAG_FIXTURE.read_text().splitlines()]
+    (tmp_path / "items.json").write_text(json.dumps(rows))
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), tmp_path / "items.parquet")
+    expected = hellaswag.read_items(str(HELLASWAG_FIXTURE))
+    assert len(expected) == 8
+    assert hellaswag.read_items(str(tmp_path / "items.json")) == expected
+    assert hellaswag.read_items(str(tmp_path / "items.parquet"), limit=3) == expected[:3]
