@@ -70,8 +70,11 @@ class Block(nn.Module):
         connection = RESIDUALS[config.residual]
         n_streams = 1 if config.residual == "res" else config.n_streams
         options = connection_options(config)
-        self.attn_connection = connection(config.n_embd, n_streams, 2 * layer_index, **options)
-        self.mlp_connection = connection(config.n_embd, n_streams, 2 * layer_index + 1, **options)
+        # transformers builds the model on the meta device before loading; mhclite draws its
+        # permutation set with real tensors at construction, so the connections are built on the CPU
+        with torch.device("cpu"):
+            self.attn_connection = connection(config.n_embd, n_streams, 2 * layer_index, **options)
+            self.mlp_connection = connection(config.n_embd, n_streams, 2 * layer_index + 1, **options)
 
     def forward(self, x, cache=None):
         x = self.attn_connection(x, lambda h: self.attn(self.ln_1(h), cache))
