@@ -13,6 +13,7 @@ that exists and is not empty is an error unless --force. Bad input is one `error
 
 import argparse
 import dataclasses
+import json
 import os
 import shutil
 import sys
@@ -76,7 +77,9 @@ def gpt2_tokenizer():
         raise ExportError(str(e)) from None
     paths = {name: dataprep._cache_path(dataprep.tiktoken_cache_dir(), url)
              for url, (name, _) in dataprep.GPT2_FILES.items()}
-    return GPT2Tokenizer(vocab_file=str(paths["encoder.json"]), merges_file=str(paths["vocab.bpe"]))
+    vocab = json.loads(paths["encoder.json"].read_text(encoding="utf-8"))
+    merge_lines = paths["vocab.bpe"].read_text(encoding="utf-8").splitlines()[1:]  # after the #version line
+    return GPT2Tokenizer(vocab=vocab, merges=[tuple(line.split(" ")) for line in merge_lines if line])
 
 
 def export(out_dir, export_dir, force=False, data_dir=None):

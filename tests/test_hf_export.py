@@ -164,8 +164,11 @@ def test_an_existing_folder_needs_force_and_bad_input_is_one_error_line(hellaswa
     assert "keep.txt" not in os.listdir(folder) and json.loads((folder / "config.json").read_text())["residual"] == "hc"
 
 
-def test_the_gpt2_tokenizer_is_tiktokens_offline():
-    tokenizer, encoding = export_hf.gpt2_tokenizer(), sample.dataprep.gpt2_encoding()
+def test_the_gpt2_tokenizer_is_tiktokens_offline(tmp_path):
+    from transformers import AutoTokenizer
+
+    export_hf.gpt2_tokenizer().save_pretrained(tmp_path)
+    tokenizer, encoding = AutoTokenizer.from_pretrained(tmp_path), sample.dataprep.gpt2_encoding()
     text = "Hello world!  First Citizen:\n\tBefore we proceed any further, hear me speak. 1234 ünïcode 😀"
     assert tokenizer.encode(text) == encoding.encode_ordinary(text)
     assert tokenizer.encode("<|endoftext|>") == [50256] and tokenizer.decode(encoding.encode_ordinary(text)) == text
