@@ -211,6 +211,51 @@ def run_autocast_dtype(ckpt, device):
     return torch.bfloat16 if ckpt["config"].get("dtype") == "bfloat16" and device.startswith("cuda") else None
 
 
+def read_results(run_dir):
+    """The run's hellaswag.json, or None when it has none."""
+    path = os.path.join(run_dir, RESULTS_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def downstream_markdown(runs, digits=3):
+    """Markdown: acc and acc_norm per variant (rows, as the loss table's) and dataset/size (columns),
+    mean ± std over the seeds that have results, and how many items they scored; "" when no run has
+    results."""
+    from analysis.common import VARIANT_NAMES, group_label, group_runs
+    from analysis.loss_table import cell_text, row_key
+
+    cells, rows, items = {}, [], set()
+    columns = list(group_runs(runs))
+    for group, by_variant in group_runs(runs).items():
+        for variant, variant_runs in by_variant.items():
+            for run in variant_runs:
+                results = read_results(run.path)
+                if results is None:
+                    continue
+                row = row_key(variant, run.settings)
+                rows.append(row)
+                items.add(results["items"])
+                for metric in ("acc", "acc_norm"):
+                    cells.setdefault((row, group, metric), []).append(100 * results[metric])
+    if not rows:
+        return ""
+    rows = list(dict.fromkeys(rows))
+    columns = [c for c in columns if any((r, c, "acc") in cells for r in rows)]
+    header = ["Variant"] + [f"{group_label(c)} {m}" for c in columns for m in ("acc", "acc_norm")]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        variant, _, settings = row.partition(" ")
+        name = " ".join(filter(None, (VARIANT_NAMES[variant], settings)))
+        texts = [cell_text(cells.get((row, c, m), []), digits - 2) for c in columns for m in ("acc", "acc_norm")]
+        lines.append("| " + " | ".join([name] + texts) + " |")
+    counts = ", ".join(str(n) for n in sorted(items))
+    return ("\n".join(lines) + f"\n\nZero-shot HellaSwag accuracy in % (analysis/hellaswag.py, lm-evaluation-harness's "
+            f"`acc` and `acc_norm`), mean ± std over seeds; items scored per run: {counts}.\n")
+
+
 class OneLineParser(argparse.ArgumentParser):
     def error(self, message):
         print(f"error: {message}", file=sys.stderr)

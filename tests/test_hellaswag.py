@@ -103,3 +103,26 @@ def test_json_and_parquet_files_give_the_items_of_the_jsonl(tmp_path):
     assert len(expected) == 8
     assert hellaswag.read_items(str(tmp_path / "items.json")) == expected
     assert hellaswag.read_items(str(tmp_path / "items.parquet"), limit=3) == expected[:3]
+
+
+def test_the_downstream_table_shows_mean_and_std_over_the_runs_with_results(hellaswag_runs, tmp_path):
+    import shutil
+
+    from analysis.common import find_runs
+
+    copies = {}
+    for name, run in hellaswag_runs.items():  # the runs' logs without their checkpoints
+        copies[name] = tmp_path / name
+        shutil.copytree(run, copies[name], ignore=shutil.ignore_patterns("*.pt", "hellaswag.json"))
+    config = json.loads((copies["mhclite-n8"] / "config.json").read_text())
+    (copies["mhclite-n8"] / "config.json").write_text(json.dumps({**config, "seed": 7}))  # a second mhclite seed
+    assert hellaswag.downstream_markdown(find_runs([str(p) for p in copies.values()])) == ""
+    for name, acc, acc_norm in (("res", 0.25, 0.5), ("mhclite", 0.3, 0.4), ("mhclite-n8", 0.4, 0.6)):
+        (copies[name] / "hellaswag.json").write_text(json.dumps(dict(acc=acc, acc_norm=acc_norm, items=8)))
+    table = hellaswag.downstream_markdown(find_runs([str(p) for p in copies.values()]))
+    rows = {line.split(" | ")[0].strip("| "): line.strip("| ").split(" | ")[1:] for line in table.splitlines()
+            if line.startswith("| ") and not line.startswith("| Variant")}
+    assert set(rows) == {"Residual", "mHC-lite"}  # runs without results have no row
+    assert rows["Residual"] == ["25.0", "50.0"]
+    assert rows["mHC-lite"] == ["35.0 ± 7.1", "50.0 ± 14.1"]
+    assert "items scored per run: 8" in table and "acc_norm" in table.splitlines()[0]
