@@ -126,3 +126,22 @@ def test_the_downstream_table_shows_mean_and_std_over_the_runs_with_results(hell
     assert rows["Residual"] == ["25.0", "50.0"]
     assert rows["mHC-lite"] == ["35.0 ± 7.1", "50.0 ± 14.1"]
     assert "items scored per run: 8" in table and "acc_norm" in table.splitlines()[0]
+
+
+def test_the_sweep_scores_each_finished_run_once(tmp_path):
+    def sweep(*args):
+        return subprocess.run(["bash", "scripts/sweep_table1.sh", "--out_root", str(tmp_path), "--dry_run",
+                               "--datasets", "openwebtext", "--sizes", "S", "--residuals", "hc mhclite", *args],
+                              capture_output=True, text=True, timeout=60)
+
+    assert "hellaswag" not in sweep().stdout
+    (tmp_path / "openwebtext-S-hc-s1337").mkdir()
+    (tmp_path / "openwebtext-S-hc-s1337" / "done").write_text("1\n")
+    (tmp_path / "openwebtext-S-hc-s1337" / "hellaswag.json").write_text("{}")
+    proc = sweep("--hellaswag", "--hellaswag_data", str(HELLASWAG_FIXTURE))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0] == f"skip (finished): {tmp_path}/openwebtext-S-hc-s1337"  # already scored: nothing more
+    assert "train.py" in lines[1] and len(lines) == 3
+    assert lines[2].split() == [lines[2].split()[0], "analysis/hellaswag.py",
+                                f"--out_dir={tmp_path}/openwebtext-S-mhclite-s1337", f"--data={HELLASWAG_FIXTURE}"]
