@@ -207,8 +207,9 @@ def summary(results):
 
 
 def run_autocast_dtype(ckpt, device):
-    """bf16 autocast on CUDA for runs trained in bf16; fp32 otherwise."""
-    return torch.bfloat16 if ckpt["config"].get("dtype") == "bfloat16" and device.startswith("cuda") else None
+    """bf16 autocast on CUDA for runs trained in bf16 (--dtype=bfloat16, or auto, which train.py
+    resolves to bf16 on CUDA); fp32 otherwise."""
+    return torch.bfloat16 if ckpt["config"].get("dtype") in ("bfloat16", "auto") and device.startswith("cuda") else None
 
 
 def read_results(run_dir):
