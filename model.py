@@ -164,37 +164,6 @@ def authors_decayed(connection) -> list:
     return []
 
 
-class KVCache:
-    """The attention keys and values of the tokens a model has seen, for sampling token by token.
-    Only attention needs one: the connections, the MLP and the norms act on each token alone.
-    Positions are absolute, so the cache holds at most block_size tokens; past that the context
-    is cropped and the cache rebuilt from it (see sample.generate)."""
-
-    def __init__(self, n_layer):
-        self.layers = [LayerKVCache() for _ in range(n_layer)]
-
-    def __len__(self):
-        return self.layers[0].length
-
-
-class LayerKVCache:
-    """One attention layer's keys and values, (B, n_head, tokens, head_dim) each."""
-
-    def __init__(self):
-        self.keys = self.values = None
-
-    @property
-    def length(self):
-        return 0 if self.keys is None else self.keys.size(2)
-
-    def append(self, k, v):
-        """The keys and values of all tokens so far, k and v (the newest tokens') included."""
-        if self.keys is not None:
-            k, v = torch.cat((self.keys, k), dim=2), torch.cat((self.values, v), dim=2)
-        self.keys, self.values = k, v
-        return k, v
-
-
 class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -207,17 +176,15 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        if kv_cache is not None and kv_cache.length > 0:
-            past = kv_cache.length
+        past = 0 if kv_cache is None else kv_cache.length
+        if kv_cache is not None:
             k, v = kv_cache.append(k, v)
-            # query i (absolute position past + i) sees keys 0..past + i
+        if past:  # query i (absolute position past + i) sees keys 0..past + i
             mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-            y = y.transpose(1, 2).contiguous().view(B, T, C)
-            return self.resid_dropout(self.c_proj(y))
-        if kv_cache is not None:
-            kv_cache.append(k, v)
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
+                                               is_causal=True)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -305,7 +272,8 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None, kv_cache=None):
         """(logits, loss); logits of every position with targets, else of the last one. With a
-        KVCache, idx continues the tokens the cache holds and is appended to it (inference only)."""
+        KV cache (sample.KVCache), idx continues the tokens the cache holds and is appended to it
+        (inference only)."""
         B, T = idx.size()
         start = 0 if kv_cache is None else len(kv_cache)
         if start + T > self.config.block_size:

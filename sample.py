@@ -26,7 +26,6 @@ import torch.nn.functional as F
 
 import dataprep
 from checkpoint import CheckpointError, load_model
-from model import KVCache
 
 SEPARATOR = "-" * 15
 FILE_PREFIX = "FILE:"
@@ -92,6 +91,37 @@ def decode(ids, meta):
         return dataprep.decode(ids, meta)
     except dataprep.DataPrepError as e:
         raise SampleError(str(e)) from None
+
+
+class KVCache:
+    """The attention keys and values of the tokens a model has seen, for sampling token by token.
+    Only attention needs one: the connections, the MLP and the norms act on each token alone.
+    Positions are absolute, so the cache holds at most block_size tokens; past that the context
+    is cropped and the cache rebuilt from it (see generate)."""
+
+    def __init__(self, n_layer):
+        self.layers = [LayerKVCache() for _ in range(n_layer)]
+
+    def __len__(self):
+        return self.layers[0].length
+
+
+class LayerKVCache:
+    """One attention layer's keys and values, (B, n_head, tokens, head_dim) each."""
+
+    def __init__(self):
+        self.keys = self.values = None
+
+    @property
+    def length(self):
+        return 0 if self.keys is None else self.keys.size(2)
+
+    def append(self, k, v):
+        """The keys and values of all tokens so far, k and v (the newest tokens') included."""
+        if self.keys is not None:
+            k, v = torch.cat((self.keys, k), dim=2), torch.cat((self.values, v), dim=2)
+        self.keys, self.values = k, v
+        return k, v
 
 
 @torch.no_grad()

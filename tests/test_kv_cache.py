@@ -1,10 +1,12 @@
-"""The KV cache of model.py: cached sampling computes the same logits and the same greedy tokens
-as recomputing the cropped context for every token, for every variant, also past the block size."""
+"""The KV cache (sample.KVCache, GPT.forward(kv_cache=...)): cached sampling computes the same
+logits and the same greedy tokens as recomputing the cropped context for every token, for every
+variant, also past the block size."""
 import pytest
 import torch
 
 import sample
-from model import GPT, GPTConfig, KVCache
+from model import GPT, GPTConfig
+from sample import KVCache
 
 VARIANTS = ("res", "hc", "mhc", "mhclite")
 BLOCK = 16
