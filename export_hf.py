@@ -1,6 +1,6 @@
 """Export a checkpoint as a Hugging Face transformers model folder.
 
-    python export_hf.py --out_dir=out/openwebtext-M-mhclite-s1337 --export_dir=hf/openwebtext-M-mhclite
+    python export_hf.py --out_dir=out/openwebtext-M-mhclite-s1337 --export_dir=exports/openwebtext-M-mhclite
     python export_hf.py --out_dir=out/demo/mhclite --export_dir=exports/demo-mhclite --force
 
 The folder holds config.json, model.safetensors (fp32 weights; mhclite's permutation sets are the
