@@ -8,7 +8,8 @@ The folder holds config.json, model.safetensors (fp32 weights; mhclite's permuta
 and our modeling code: hf/*.py with residuals.py beside it, so it is self-contained. It loads with
 AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True) and
 AutoTokenizer.from_pretrained(folder); lm-evaluation-harness runs it as `--model hf`. A folder
-that exists and is not empty is an error unless --force. Bad input is one `error:` line, exit 2.
+that exists and is not empty is an error, unless it holds an earlier export and --force is given
+(then it is replaced). Bad input is one `error:` line, exit 2.
 """
 
 import argparse
@@ -88,8 +89,12 @@ def export(out_dir, export_dir, force=False, data_dir=None):
 
     from hf.configuration_mhclite_gpt import MHCLiteGPTConfig
 
-    if os.path.isdir(export_dir) and os.listdir(export_dir) and not force:
-        raise ExportError(f"{export_dir} exists and is not empty; pass --force to overwrite it")
+    if os.path.isdir(export_dir) and os.listdir(export_dir):
+        if not force:
+            raise ExportError(f"{export_dir} exists and is not empty; pass --force to overwrite it")
+        if not os.path.isfile(os.path.join(export_dir, "config.json")):  # --force never deletes other folders
+            raise ExportError(f"{export_dir} is not empty and holds no earlier export (no config.json); "
+                              "not replacing it even with --force")
     if os.path.exists(export_dir) and not os.path.isdir(export_dir):
         raise ExportError(f"{export_dir} exists and is not a folder")
     if not os.path.isdir(out_dir):
@@ -124,7 +129,7 @@ def main(argv=None):
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out_dir", required=True, help="run directory holding ckpt.pt")
     p.add_argument("--export_dir", required=True, help="folder to write (must be empty or absent)")
-    p.add_argument("--force", action="store_true", help="replace an existing export folder")
+    p.add_argument("--force", action="store_true", help="replace an earlier export in --export_dir")
     p.add_argument("--data_dir", default=None, help="folder holding <dataset>/meta.json (default: the run's)")
     args = p.parse_args(argv)
     try:

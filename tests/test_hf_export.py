@@ -147,21 +147,27 @@ def run_cli(*args):
     return subprocess.run([sys.executable, "export_hf.py", *args], capture_output=True, text=True)
 
 
-def test_an_existing_folder_needs_force_and_bad_input_is_one_error_line(hellaswag_runs, tmp_path):
-    folder = tmp_path / "export"
-    folder.mkdir()
-    (folder / "keep.txt").write_text("mine")
+def test_an_existing_folder_needs_force_and_bad_input_is_one_error_line(hellaswag_runs, exports, tmp_path):
+    import shutil
+
+    earlier, other = tmp_path / "earlier", tmp_path / "other"
+    shutil.copytree(exports["res"], earlier)
+    (earlier / "keep.txt").write_text("mine")
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
     run = f"--out_dir={hellaswag_runs['hc']}"
-    for args, message in (([run, f"--export_dir={folder}"], "exists and is not empty; pass --force"),
+    for args, message in (([run, f"--export_dir={earlier}"], "exists and is not empty; pass --force"),
+                          ([run, f"--export_dir={other}", "--force"], "holds no earlier export"),
                           ([f"--out_dir={tmp_path / 'missing'}", f"--export_dir={tmp_path / 'new'}"],
                            "no run directory")):
         result = run_cli(*args)
         assert result.returncode == 2 and result.stderr.startswith("error: ") and message in result.stderr
         assert result.stderr.count("\n") == 1, result.stderr
-    assert os.listdir(folder) == ["keep.txt"]
-    result = run_cli(run, f"--export_dir={folder}", "--force")
+    assert "keep.txt" in os.listdir(earlier) and os.listdir(other) == ["notes.txt"]
+    result = run_cli(run, f"--export_dir={earlier}", "--force")
     assert result.returncode == 0, result.stderr
-    assert "keep.txt" not in os.listdir(folder) and json.loads((folder / "config.json").read_text())["residual"] == "hc"
+    assert "keep.txt" not in os.listdir(earlier)
+    assert json.loads((earlier / "config.json").read_text())["residual"] == "hc"
 
 
 def test_the_gpt2_tokenizer_is_tiktokens_offline(tmp_path):
