@@ -99,6 +99,23 @@ def test_the_authors_settings_are_exported(hellaswag_runs, exports, tmp_path):
         assert (reference(tokens, torch.zeros_like(tokens))[0] - expected).abs().max() > 1e-4  # they do matter
 
 
+def test_the_permutation_set_travels_with_the_weights(hellaswag_runs, tmp_path):
+    """A checkpoint whose perms differ from what its config would draw: the export computes with the saved ones."""
+    ckpt = torch.load(hellaswag_runs["mhclite-n8"] / "ckpt.pt", weights_only=True)
+    for name in [k for k in ckpt["model"] if k.endswith(".perms")]:
+        ckpt["model"][name] = ckpt["model"][name].flip(0)
+    (tmp_path / "run").mkdir()
+    torch.save(ckpt, tmp_path / "run" / "ckpt.pt")
+    ours, _ = load_model(str(tmp_path / "run" / "ckpt.pt"))
+    exported, _ = load_export(export_hf.export(str(tmp_path / "run"), str(tmp_path / "export")))
+    original, _ = load_model(str(hellaswag_runs["mhclite-n8"] / "ckpt.pt"))
+    tokens = torch.randint(0, ours.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected, _ = ours(tokens, torch.zeros_like(tokens))
+        assert (exported(tokens).logits - expected).abs().max() <= 1e-5
+        assert (original(tokens, torch.zeros_like(tokens))[0] - expected).abs().max() > 1e-4
+
+
 def test_every_model_setting_is_exported_or_named_training_only():
     fields = {f.name for f in dataclasses.fields(GPTConfig)}
     assert fields == set(export_hf.EXPORTED_SETTINGS) | set(export_hf.TRAINING_ONLY_SETTINGS)

@@ -75,3 +75,13 @@ def test_seeded_sampling_with_the_cache_draws_what_it_draws_without():
     draws = [sample.generate(model, prompt, BLOCK + 6, temperature=1.0, top_k=None, kv_cache=kv_cache,
                              generator=torch.Generator().manual_seed(5)) for kv_cache in (True, False)]
     assert torch.equal(*draws)
+
+
+def test_sample_py_prints_the_same_text_with_and_without_the_cache(hellaswag_runs, capsys):
+    run = f"--out_dir={hellaswag_runs['mhc']}"
+    texts = []
+    for extra in ([], ["--no_kv_cache"]):
+        sample.main([run, "--start=Fishing: An", "--num_samples=2", "--max_new_tokens=120", "--temperature=1.0",
+                     "--device=cpu", *extra])
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and len(texts[0]) > 2 * 120
