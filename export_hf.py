@@ -22,7 +22,6 @@ import sys
 import dataprep
 import sample
 from checkpoint import CheckpointError
-from model import GPTConfig
 
 REPO_DIR = os.path.dirname(os.path.abspath(__file__))
 MODELING_FILES = ("hf/configuration_mhclite_gpt.py", "hf/modeling_mhclite_gpt.py", "residuals.py")
