@@ -149,11 +149,19 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x):
+    def forward(self, x, kv_cache=None):
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        past = 0 if kv_cache is None else kv_cache.length
+        if kv_cache is not None:
+            k, v = kv_cache.append(k, v)
+        if past:  # query i (absolute position past + i) sees keys 0..past + i
+            mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
+                                               is_causal=True)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -195,8 +203,9 @@ class Block(nn.Module):
             return fused_connections.connection_forward(connection, x, branch)
         return connection(x, branch)
 
-    def forward(self, x):
-        x = self.connect(self.attn_connection, x, self.attn_branch)
+    def forward(self, x, kv_cache=None):
+        attn_branch = self.attn_branch if kv_cache is None else lambda h: self.attn(self.ln_1(h), kv_cache)
+        x = self.connect(self.attn_connection, x, attn_branch)
         x = self.connect(self.mlp_connection, x, self.mlp_branch)
         return x
 
@@ -234,18 +243,22 @@ class GPT(nn.Module):
     def connections(self):
         return [m for block in self.transformer.h for m in (block.attn_connection, block.mlp_connection)]
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx, targets=None, kv_cache=None):
+        """(logits, loss); logits of every position with targets, else of the last one. With a
+        KV cache (sample.KVCache), idx continues the tokens the cache holds and is appended to it
+        (inference only)."""
         B, T = idx.size()
-        if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        pos = torch.arange(0, T, dtype=torch.long, device=idx.device)
+        start = 0 if kv_cache is None else len(kv_cache)
+        if start + T > self.config.block_size:
+            raise ValueError(f"sequence length {start + T} exceeds block_size {self.config.block_size}")
+        pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         x = expand_streams(x, self.config.n_streams)
         # res keeps nanoGPT's fp32 residual stream; a float64 model (numerical checks) keeps float64 streams
         if self.config.residual != "res" and x.dtype != torch.float64:
             x = x.to(STREAM_DTYPES[self.config.stream_dtype])
-        for block in self.transformer.h:
-            x = block(x)
+        for i, block in enumerate(self.transformer.h):
+            x = block(x) if kv_cache is None else block(x, kv_cache.layers[i])
         return self.head(x, targets)
 
     def head(self, x, targets):

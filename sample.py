@@ -7,7 +7,8 @@ Loads <out_dir>/ckpt.pt with checkpoint.load_model and reads the run's own token
 meta.json of its dataset, <data_dir>/<dataset>/ from the checkpoint's config (--data_dir points
 elsewhere): characters (meta.json's itos) or GPT-2 BPE (offline, through dataprep). Sampling is
 autoregressive: the context is cropped to the model's block_size, the model gives the logits of
-the last position, they are divided by --temperature and cut to the --top_k largest (a value at
+the last position (with a KV cache it computes the new token only; --no_kv_cache recomputes the
+whole context), they are divided by --temperature and cut to the --top_k largest (a value at
 least the vocabulary size keeps all; 1 is greedy decoding), and the next token is drawn with a
 generator seeded by --seed, so the same flags give the same text. Samples are printed one after
 the other, each followed by a line of dashes. Bad input is one `error:` line and exit code 2.
@@ -92,14 +93,56 @@ def decode(ids, meta):
         raise SampleError(str(e)) from None
 
 
+class KVCache:
+    """The attention keys and values of the tokens a model has seen, for sampling token by token.
+    Only attention needs one: the connections, the MLP and the norms act on each token alone.
+    Positions are absolute, so the cache holds at most block_size tokens; past that the context
+    is cropped and the cache rebuilt from it (see generate)."""
+
+    def __init__(self, n_layer):
+        self.layers = [LayerKVCache() for _ in range(n_layer)]
+
+    def __len__(self):
+        return self.layers[0].length
+
+
+class LayerKVCache:
+    """One attention layer's keys and values, (B, n_head, tokens, head_dim) each."""
+
+    def __init__(self):
+        self.keys = self.values = None
+
+    @property
+    def length(self):
+        return 0 if self.keys is None else self.keys.size(2)
+
+    def append(self, k, v):
+        """The keys and values of all tokens so far, k and v (the newest tokens') included."""
+        if self.keys is not None:
+            k, v = torch.cat((self.keys, k), dim=2), torch.cat((self.values, v), dim=2)
+        self.keys, self.values = k, v
+        return k, v
+
+
 @torch.no_grad()
-def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None, vocab_size=None):
+def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None, vocab_size=None,
+             kv_cache=True):
     """Continue the token ids idx (B, T) by max_new_tokens sampled tokens; returns (B, T + new).
     The model sees at most its block_size last tokens and returns the last position's logits.
-    Only ids below vocab_size are drawn (GPT-2's padding ids decode to nothing)."""
+    Only ids below vocab_size are drawn (GPT-2's padding ids decode to nothing). With kv_cache the
+    model computes each new token only, on the keys and values of the earlier ones; once the
+    context is cropped every position moves, so the cache is rebuilt from the cropped context,
+    which gives the logits of the computation without a cache."""
     block_size = model.config.block_size
+    cache = None
     for _ in range(max_new_tokens):
-        logits, _ = model(idx[:, -block_size:])
+        if not kv_cache:
+            logits, _ = model(idx[:, -block_size:])
+        elif cache is None or idx.size(1) > block_size:
+            cache = KVCache(model.config.n_layer)
+            logits, _ = model(idx[:, -block_size:], kv_cache=cache)
+        else:
+            logits, _ = model(idx[:, -1:], kv_cache=cache)
         logits = logits[:, -1, :vocab_size].float() / temperature
         if top_k is not None:
             kth_largest = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
@@ -120,7 +163,8 @@ def check_settings(num_samples, max_new_tokens, temperature, top_k):
         raise SampleError(f"--top_k must be >= 1, got {top_k}")
 
 
-def sample(model, meta, start=None, num_samples=1, max_new_tokens=500, temperature=0.8, top_k=200, seed=1337):
+def sample(model, meta, start=None, num_samples=1, max_new_tokens=500, temperature=0.8, top_k=200, seed=1337,
+           kv_cache=True):
     """num_samples texts (the start text, default_start(meta) if None, then max_new_tokens new
     tokens), drawn one after the other from one generator seeded with seed."""
     check_settings(num_samples, max_new_tokens, temperature, top_k)
@@ -130,7 +174,8 @@ def sample(model, meta, start=None, num_samples=1, max_new_tokens=500, temperatu
     generator = torch.Generator(device=device).manual_seed(seed)
     texts = []
     for _ in range(num_samples):
-        ids = generate(model, prompt, max_new_tokens, temperature, top_k, generator, tokenizer_vocab_size(meta))
+        ids = generate(model, prompt, max_new_tokens, temperature, top_k, generator, tokenizer_vocab_size(meta),
+                       kv_cache)
         texts.append(decode(ids[0].tolist(), meta))
     return texts
 
@@ -183,13 +228,14 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--data_dir", default=None, help="folder holding <dataset>/meta.json (default: the run's)")
+    p.add_argument("--no_kv_cache", action="store_true", help="recompute the whole context for every token")
     args = p.parse_args(argv)
     try:
         check_settings(args.num_samples, args.max_new_tokens, args.temperature, args.top_k)
         start = read_start(args.start)
         model, meta = load(args.out_dir, resolve_device(args.device), args.data_dir)
         texts = sample(model, meta, start, args.num_samples, args.max_new_tokens, args.temperature, args.top_k,
-                       args.seed)
+                       args.seed, not args.no_kv_cache)
     except (SampleError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

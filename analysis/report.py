@@ -1,7 +1,8 @@
-"""Every analysis on a set of runs, in one Markdown report: the loss table with a short text
-sample from each checkpoint (sample.py, fixed seed), gradient-norm curves, throughput bars, and
-from each HC-family run's checkpoint (collected with analysis/collect.py) the log(1/nu)
-histograms of mHC and the H_res column-sum boxplots.
+"""Every analysis on a set of runs, in one Markdown report: the loss table, the HellaSwag table
+where runs hold analysis/hellaswag.py's results, a short text sample from each checkpoint
+(sample.py, fixed seed), gradient-norm curves, throughput bars, and from each HC-family run's
+checkpoint (collected with analysis/collect.py) the log(1/nu) histograms of mHC and the H_res
+column-sum boxplots.
 
     python analysis/report.py --runs out/demo/* --out out/demo
 
@@ -13,7 +14,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
-from analysis import colsum_box, grad_norm, loss_table, nu_hist, throughput
+from analysis import colsum_box, grad_norm, hellaswag, loss_table, nu_hist, throughput
 from analysis.collect import collect
 import sample
 from analysis.common import HC_FAMILY, VARIANT_NAMES, VARIANTS, AnalysisError, find_runs, group_label, group_runs
@@ -83,6 +84,9 @@ def write_report(runs, out_dir, args, command):
 
     table, table_md = loss_table.write_loss_table(runs, out_dir, args.last)
     md += ["## Loss (paper Table 1)\n", table_md, "LaTeX (booktabs): [loss_table.tex](loss_table.tex)\n"]
+    downstream = hellaswag.downstream_markdown(runs)
+    if downstream:
+        md += ["## Downstream: HellaSwag\n", downstream]
     if args.sample_tokens:
         md += sample_section(runs, args)
 

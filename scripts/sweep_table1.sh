@@ -5,11 +5,13 @@
 #   bash scripts/sweep_table1.sh --residuals "mhc mhclite" --dry_run   # print the commands only
 #   bash scripts/sweep_table1.sh --nproc 8 -- --wandb_log=True    # settings after -- go to train.py
 #   bash scripts/sweep_table1.sh --nproc 8 --authors              # the paper as the authors' code ran it
+#   bash scripts/sweep_table1.sh --nproc 8 --hellaswag            # and score each finished run on HellaSwag
 # Each run writes <out_root>/<dataset>-<size>-<residual>-s<seed>/ with its train.log (--out_root
 # DIR, default out/ in the repository); --authors adds configs/authors.py (docs/faithfulness.md) to
 # every run and writes <dataset>-<size>-<residual>-authors-s<seed>/. A run with a `done` marker is
 # skipped; a run with a checkpoint but no marker is resumed (train.py returns at once if it is
-# already at max_iters).
+# already at max_iters). --hellaswag runs analysis/hellaswag.py on every finished run that has no
+# hellaswag.json yet (--hellaswag_data FILE: a local copy of the items instead of the hub's).
 # A failed run is reported and the sweep goes on (exit status 1 at the end). Ctrl-C, or SIGTERM
 # to the process group (kill -TERM -- -PGID, as schedulers do): the running job saves a
 # checkpoint and exits, then the sweep stops; rerun the same command to resume.
@@ -26,6 +28,8 @@ RESIDUALS="res hc mhc mhclite"
 OUT_ROOT=$PWD/out
 DRY_RUN=0
 AUTHORS=0
+HELLASWAG=0
+HELLASWAG_DATA=Rowan/hellaswag
 EXTRA=()
 
 die() { echo "error: $*" >&2; exit 2; }
@@ -41,13 +45,17 @@ while [ $# -gt 0 ]; do
         --out_root) OUT_ROOT=$(value_of "$@"); shift 2 ;;
         --dry_run) DRY_RUN=1; shift ;;
         --authors) AUTHORS=1; shift ;;
-        -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        --hellaswag) HELLASWAG=1; shift ;;
+        --hellaswag_data) HELLASWAG_DATA=$(value_of "$@"); shift 2 ;;
+        -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         --) shift; EXTRA=("$@"); break ;;
-        *) die "unknown option '$1'; valid: --nproc --seeds --datasets --sizes --residuals --out_root --dry_run --authors --" ;;
+        *) die "unknown option '$1'; valid: --nproc --seeds --datasets --sizes --residuals --out_root --dry_run --authors --hellaswag --hellaswag_data --" ;;
     esac
 done
 
 [[ "$OUT_ROOT" = /* ]] || OUT_ROOT="$CALLER_DIR/$OUT_ROOT"  # relative to where the sweep was started
+# a local HellaSwag file relative to where the sweep was started; anything else is a hub dataset name
+if [[ "$HELLASWAG_DATA" != /* && -e "$CALLER_DIR/$HELLASWAG_DATA" ]]; then HELLASWAG_DATA="$CALLER_DIR/$HELLASWAG_DATA"; fi
 [[ "$NPROC" =~ ^[1-9][0-9]*$ ]] || die "--nproc must be a positive integer, got '$NPROC'"
 dataset_config() {
     case "$1" in
@@ -70,6 +78,18 @@ RUN_SUFFIX=""
 if [ "$AUTHORS" = 1 ]; then SETTINGS=(configs/authors.py); RUN_SUFFIX=-authors; fi
 
 failed=()
+# HellaSwag of a finished run, once (its hellaswag.json marks it done)
+score_hellaswag() {
+    local out=$1
+    [ "$HELLASWAG" = 1 ] && [ ! -f "$out/hellaswag.json" ] || return 0
+    local score=("$PYTHON" analysis/hellaswag.py "--out_dir=$out" "--data=$HELLASWAG_DATA")
+    if [ "$DRY_RUN" = 1 ]; then
+        printf '%q ' "${score[@]}"
+        echo
+        return 0
+    fi
+    "${score[@]}" 2>&1 | tee -a "$out/train.log" || failed+=("$out: hellaswag")
+}
 # bash runs a trap once the foreground job is over, i.e. after train.py has saved its checkpoint
 trap 'echo "sweep stopped by SIGINT; rerun the same command to resume" >&2; exit 130' INT
 trap 'echo "sweep stopped by SIGTERM; rerun the same command to resume" >&2; exit 143' TERM
@@ -80,6 +100,7 @@ for seed in $SEEDS; do
                 out="$OUT_ROOT/$dataset-$size-$residual$RUN_SUFFIX-s$seed"
                 if [ -f "$out/done" ]; then
                     echo "skip (finished): $out"
+                    score_hellaswag "$out"
                     continue
                 fi
                 cmd=("$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" train.py
@@ -91,6 +112,7 @@ for seed in $SEEDS; do
                 if [ "$DRY_RUN" = 1 ]; then
                     printf '%q ' "${cmd[@]}"
                     echo
+                    score_hellaswag "$out"
                     continue
                 fi
                 mkdir -p "$out"
@@ -98,7 +120,7 @@ for seed in $SEEDS; do
                 rc=0
                 # the logger ignores SIGINT / SIGTERM so it records train.py's last lines as it saves
                 "${cmd[@]}" 2>&1 | (trap '' TERM; exec tee -i -a "$out/train.log") || rc=$?
-                [ "$rc" = 0 ] || failed+=("$out (exit $rc)")
+                if [ "$rc" = 0 ]; then score_hellaswag "$out"; else failed+=("$out (exit $rc)"); fi
             done
         done
     done

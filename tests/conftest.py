@@ -1,8 +1,10 @@
-"""Shared test setup: offline environment variables and the tiny char-level corpus fixture."""
+"""Shared test setup: offline environment variables, the tiny char-level corpus fixture, and tiny
+runs trained on the HellaSwag fixture (analysis/hellaswag.py, export_hf.py)."""
 
 import json
 import os
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,24 +19,62 @@ WORDS = ("the king and queen of a far land rode to the old castle where one bold
          "watch over the river and the hills").split()
 
 
+def write_char_dataset(root, name, text):
+    """<root>/<name>/ in nanoGPT format: text's characters as the vocabulary, the last 10% val."""
+    chars = sorted(set(text))
+    ids = np.array([chars.index(c) for c in text], dtype=np.uint16)
+    n_train = int(0.9 * len(ids))
+    folder = root / name
+    folder.mkdir()
+    ids[:n_train].tofile(folder / "train.bin")
+    ids[n_train:].tofile(folder / "val.bin")
+    meta = dict(dataset=name, tokenizer="char", vocab_size=len(chars), train_tokens=n_train,
+                val_tokens=len(ids) - n_train, dtype="uint16", source="test", split_seed=0, val_fraction=0.1,
+                itos=chars)
+    (folder / "meta.json").write_text(json.dumps(meta))
+
+
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     """A ~25 KB char-level corpus in nanoGPT format: seeded random lines of a few words."""
     root = tmp_path_factory.mktemp("data")
     rng = random.Random(0)
     text = "\n".join(" ".join(rng.choice(WORDS) for _ in range(10)) for _ in range(450)) + "\n"
-    chars = sorted(set(text))
-    ids = np.array([chars.index(c) for c in text], dtype=np.uint16)
-    n_train = int(0.9 * len(ids))
-    folder = root / "toy"
-    folder.mkdir()
-    ids[:n_train].tofile(folder / "train.bin")
-    ids[n_train:].tofile(folder / "val.bin")
-    meta = dict(dataset="toy", tokenizer="char", vocab_size=len(chars), train_tokens=n_train,
-                val_tokens=len(ids) - n_train, dtype="uint16", source="test", split_seed=0, val_fraction=0.1,
-                itos=chars)
-    (folder / "meta.json").write_text(json.dumps(meta))
+    write_char_dataset(root, "toy", text)
     return root
+
+
+HELLASWAG_FIXTURE = Path(__file__).parent / "hellaswag_fixture.jsonl"
+# (run name, train.py overrides): every variant, and mhclite with n = 8 and 12 sampled permutations
+FIXTURE_RUNS = {"res": dict(residual="res"), "hc": dict(residual="hc"), "mhc": dict(residual="mhc"),
+                "mhclite": dict(residual="mhclite"),
+                "mhclite-n8": dict(residual="mhclite", n_streams=8, mhclite_perms=12)}
+
+
+@pytest.fixture(scope="session")
+def hellaswag_runs(tmp_path_factory):
+    """{run name: run directory} of tiny char models trained on the HellaSwag fixture's texts (its
+    contexts followed by the gold endings, and seeded shuffles of all endings), so their
+    vocabulary covers the fixture."""
+    from test_train import tiny_args
+    import train
+
+    root = tmp_path_factory.mktemp("hellaswag_runs")
+    items = [json.loads(line) for line in HELLASWAG_FIXTURE.read_text().splitlines()]
+    rng = random.Random(0)
+    lines = []
+    for _ in range(40):
+        for item in items:
+            lines.append(f"{item['activity_label']}: {item['ctx_a']} {item['ctx_b'].capitalize()} "
+                         f"{item['endings'][int(item['label'])].strip()}")
+            lines.append(" ".join(rng.sample(item["endings"], len(item["endings"]))))
+    write_char_dataset(root, "fixture", "\n".join(lines) + "\n")
+    runs = {}
+    for name, overrides in FIXTURE_RUNS.items():
+        runs[name] = root / name
+        train.main(tiny_args(root, runs[name], dataset="fixture", max_iters=30, eval_interval=30, block_size=96,
+                             **overrides))
+    return runs
 
 
 @pytest.fixture
