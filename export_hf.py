@@ -5,7 +5,7 @@
 
 The folder holds config.json, model.safetensors (fp32 weights; mhclite's permutation sets are the
 `perms` buffers), the run's tokenizer (GPT-2 BPE from the offline files, or the run's characters)
-and our modeling code: hf/*.py with residuals.py beside it, so it is self-contained. It loads with
+and our modeling code: hf/*.py with residuals.py and authors.py beside it, so it is self-contained. It loads with
 AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True) and
 AutoTokenizer.from_pretrained(folder); lm-evaluation-harness runs it as `--model hf`. A folder
 that exists and is not empty is an error, unless it holds an earlier export and --force is given
@@ -24,7 +24,7 @@ import sample
 from checkpoint import CheckpointError
 
 REPO_DIR = os.path.dirname(os.path.abspath(__file__))
-MODELING_FILES = ("hf/configuration_mhclite_gpt.py", "hf/modeling_mhclite_gpt.py", "residuals.py")
+MODELING_FILES = ("hf/configuration_mhclite_gpt.py", "hf/modeling_mhclite_gpt.py", "residuals.py", "authors.py")
 AUTO_MAP = {"AutoConfig": "configuration_mhclite_gpt.MHCLiteGPTConfig",
             "AutoModelForCausalLM": "modeling_mhclite_gpt.MHCLiteGPTForCausalLM"}
 # GPTConfig settings the exported model computes with (hf/configuration_mhclite_gpt.py), and those
@@ -114,7 +114,12 @@ def export(out_dir, export_dir, force=False, data_dir=None):
     save_file(state, os.path.join(export_dir, "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(export_dir)
     for path in MODELING_FILES:
-        shutil.copy(os.path.join(REPO_DIR, path), os.path.join(export_dir, os.path.basename(path)))
+        with open(os.path.join(REPO_DIR, path), encoding="utf-8") as f:
+            code = f.read()
+        # transformers loads remote code as a package: files in the folder import each other relatively
+        code = code.replace("\nfrom residuals import", "\nfrom .residuals import")
+        with open(os.path.join(export_dir, os.path.basename(path)), "w", encoding="utf-8") as f:
+            f.write(code)
     return export_dir
 
 

@@ -10,21 +10,23 @@ import torch.nn.functional as F
 from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from .authors import arithmetic, connection_class
 from .configuration_mhclite_gpt import MHCLiteGPTConfig
-from .residuals import RESIDUALS, at_least_fp32, expand_streams, reduce_streams
+from .residuals import at_least_fp32, expand_streams, reduce_streams
 
 STREAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def connection_options(config):
-    """The variant-specific constructor arguments of the connection modules (as model.py's)."""
-    options = {} if config.residual == "res" else dict(rms_eps=config.rms_eps, mixing_dtype=config.mixing_dtype)
+    """The constructor arguments of the connection modules, as model.build_connection gives them:
+    the variant's, and the authors' arithmetic where the run used it."""
+    options = {}
     if config.residual == "mhc":
-        options.update(sinkhorn_iters=config.sinkhorn_iters, sinkhorn_order=config.sinkhorn_order)
+        options = dict(sinkhorn_iters=config.sinkhorn_iters)
     if config.residual == "mhclite":
-        options.update(num_perms=config.mhclite_perms, perm_sampling=config.mhclite_perm_sampling,
-                       perm_seed=config.perm_seed, h_res_dtype=config.h_res_dtype)
-    return options
+        options = dict(num_perms=config.mhclite_perms, perm_sampling=config.mhclite_perm_sampling,
+                       perm_seed=config.perm_seed)
+    return {**options, **arithmetic(config)}
 
 
 class CausalSelfAttention(nn.Module):
@@ -67,7 +69,7 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config, layer_index)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
-        connection = RESIDUALS[config.residual]
+        connection = connection_class(config)
         n_streams = 1 if config.residual == "res" else config.n_streams
         options = connection_options(config)
         # transformers builds the model on the meta device before loading; mhclite draws its

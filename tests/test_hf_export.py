@@ -39,7 +39,7 @@ def load_export(folder):
 def test_the_folder_is_self_contained(exports):
     files = set(os.listdir(exports["mhclite"]))
     assert {"config.json", "model.safetensors", "tokenizer.json", "configuration_mhclite_gpt.py",
-            "modeling_mhclite_gpt.py", "residuals.py"} <= files
+            "modeling_mhclite_gpt.py", "residuals.py", "authors.py"} <= files
     with open(os.path.join(exports["mhclite"], "residuals.py")) as exported, open("residuals.py") as ours:
         assert exported.read() == ours.read()  # the connections' code is ours, not a rewrite
 
