@@ -15,7 +15,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import fused_connections
 from residuals import (H_RES_DTYPES, MIXING_DTYPES, RESIDUALS, RMS_EPS, SINKHORN_ORDERS, ManifoldHyperConnection,
                        at_least_fp32, expand_streams, reduce_streams)
 
@@ -218,8 +217,10 @@ class Block(nn.Module):
 
     def connect(self, connection, x, branch):
         """connection(x, branch), through the fused kernels when they can run here."""
-        if self.fused_connections and fused_connections.supported(connection, x):
-            return fused_connections.connection_forward(connection, x, branch)
+        if self.fused_connections:
+            import fused  # the kernels' package, imported only for models that ask for it
+            if fused.supported(connection, x):
+                return fused.connection_forward(connection, x, branch)
         return connection(x, branch)
 
     def forward(self, x):
@@ -356,9 +357,10 @@ def connection_path(config, connection, device) -> dict:
     {"path": "fused" or "reference", "why": the reason}."""
     if not config.fused_connections:
         return dict(path="reference", why="fused_connections=False")
+    import fused
     dtype = STREAM_DTYPES[config.stream_dtype] if config.residual != "res" else torch.float32
     x = torch.empty(0, 1, config.n_streams, config.n_embd, dtype=dtype, device=device)
-    reason = fused_connections.unsupported_reason(connection, x)
+    reason = fused.unsupported_reason(connection, x)
     if reason is not None:
         return dict(path="reference", why=f"fused_connections=True but: {reason}")
     engine = "Triton" if x.device.type == "cuda" else "Triton interpreter"

@@ -1,4 +1,4 @@
-"""Triton kernels of the fused HC-family connections (n = 4 streams); fused_connections.py launches them.
+"""Triton kernels of the fused HC-family connections (n = 4 streams); ops.py launches them.
 
 One connection, per token (x: n streams of width C, s bytes per stream element, s_y per branch
 output element; VARIANT is "hc", "mhc" or "mhclite"):
@@ -119,7 +119,7 @@ def sinkhorn_backward(logits, grad_h, ITERS: tl.constexpr):
     """grad logits of h = exp(sinkhorn_steps(logits, ITERS)). The iterations are recomputed from
     four checkpoints kept in registers (iterations 0, S, 2S, 3S with S = ITERS // 4), so each
     backward step recomputes fewer than S + 3 of them: nothing per iteration is stored."""
-    SEGMENT: tl.constexpr = ITERS // 4  # ITERS >= 4 (fused_connections.unsupported_reason)
+    SEGMENT: tl.constexpr = ITERS // 4  # ITERS >= 4 (fused.unsupported_reason)
     start1 = sinkhorn_steps(logits, SEGMENT)
     start2 = sinkhorn_steps(start1, SEGMENT)
     start3 = sinkhorn_steps(start2, SEGMENT)

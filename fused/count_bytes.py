@@ -1,10 +1,10 @@
-"""Bytes per token per connection of the fused path (fused_connections.py), counted on CPU.
+"""Bytes per token per connection of the fused path, counted on CPU in Triton's interpreter.
 
-    python scripts/count_bytes.py [--json PATH] [--residuals hc,mhc,mhclite] [--stream_dtypes float32,bfloat16]
+    python -m fused.count_bytes [--json PATH] [--residuals hc,mhc,mhclite] [--stream_dtypes float32,bfloat16]
 
 Runs forward and backward of `connection_forward` at n = 4, C = 768 under bf16 autocast with a
 bf16 branch output (as the model runs), with every kernel in Triton's interpreter, and counts:
-  - per kernel launch (through fused_connections._launch), the bytes its loads and its stores
+  - per kernel launch (seen through ops.launch_hook), the bytes its loads and its stores
     move, each address once per launch and direction (a read and a write of one address count both);
   - every aten op that runs outside the kernels (the connection's own torch code, inside the custom
     ops too), its inputs plus its outputs, leaving out views, metadata ops and allocations. The
@@ -22,16 +22,15 @@ import json
 import os
 import sys
 
-# Triton reads TRITON_INTERPRET when it is imported, which fused_connections does at its first launch.
+# Triton reads TRITON_INTERPRET when it is imported, which the ops do at their first launch.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import fused_connections  # noqa: E402
+import fused  # noqa: E402
+from fused import ops  # noqa: E402
 from residuals import RESIDUALS  # noqa: E402
 
 VARIANTS = ("hc", "mhc", "mhclite")
@@ -77,27 +76,27 @@ class KernelBytes:
     @contextlib.contextmanager
     def patched(self):
         """Counting on: loads and stores of the interpreter (create_load and create_store go through
-        the masked ones), launches through fused_connections._launch; atomics refused."""
+        the masked ones), launches through ops.launch_hook; atomics refused."""
         from triton.runtime.interpreter import InterpreterBuilder
         counter = self
         masked_load, masked_store = InterpreterBuilder.create_masked_load, InterpreterBuilder.create_masked_store
-        launch = fused_connections._launch
 
-        def create_masked_load(self, ptrs, mask, other, cache_policy, is_volatile):
+        # The trailing cache and eviction arguments differ between triton versions: passed on as they come.
+        def create_masked_load(self, ptrs, mask, *rest):
             counter._record("read", ptrs, mask)
-            return masked_load(self, ptrs, mask, other, cache_policy, is_volatile)
+            return masked_load(self, ptrs, mask, *rest)
 
-        def create_masked_store(self, ptrs, value, mask, cache_policy):
+        def create_masked_store(self, ptrs, value, mask, *rest):
             counter._record("write", ptrs, mask)
-            return masked_store(self, ptrs, value, mask, cache_policy)
+            return masked_store(self, ptrs, value, mask, *rest)
 
         def refuse_atomic(self, *args, **kwargs):
             raise RuntimeError("count_bytes does not count atomics")
 
-        def counted_launch(kernel_name, grid, device, *args, **constexprs):
+        def counted_launch(kernel_name, grid, device, args, constexprs, launch):
             # The interpreter's own torch ops (copying arguments to the host and back) are not the connection's.
             with counter.launch(kernel_name), _disable_current_modes():
-                launch(kernel_name, grid, device, *args, **constexprs)
+                launch()
 
         patches = {"create_masked_load": create_masked_load, "create_masked_store": create_masked_store,
                    "create_atomic_rmw": refuse_atomic, "create_atomic_cas": refuse_atomic}
@@ -105,12 +104,11 @@ class KernelBytes:
         try:
             for name, fn in patches.items():
                 setattr(InterpreterBuilder, name, fn)
-            fused_connections._launch = counted_launch
-            yield self
+            with ops.launch_hook(counted_launch):
+                yield self
         finally:
             for name, fn in saved.items():
                 setattr(InterpreterBuilder, name, fn)
-            fused_connections._launch = launch
 
 
 def tensor_bytes(t):
@@ -179,7 +177,7 @@ def count_connection(residual, stream_dtype, tokens, n=N_STREAMS, width=WIDTH):
             with TorchBytes() as torch_bytes:
                 if phase == "forward":
                     with torch.autocast("cpu", dtype=torch.bfloat16):
-                        out = fused_connections.connection_forward(module, x, StandInBranch.apply)
+                        out = fused.connection_forward(module, x, StandInBranch.apply)
                 else:
                     torch.autograd.grad(out, [x, *module.parameters()], grad)
             phases[phase] = {"kernels": kernels.bytes, "torch": torch_bytes.bytes}
@@ -191,15 +189,15 @@ def counting_setup():
     """The interpreter for CPU tensors; one backward program, so that the partials of grad W have the
     same size at both token counts (how many there are does not change bytes per token); wide
     channel blocks, for fewer interpreted loop trips (each address counts once whatever the tiles)."""
-    names = ("INTERPRET_ON_CPU", "WEIGHT_GRAD_PROGRAMS", "BLOCK_CHANNELS")
-    saved = [getattr(fused_connections, name) for name in names]
-    for name, value in zip(names, (True, 1, 256)):
-        setattr(fused_connections, name, value)
+    settings = [(fused, "INTERPRET_ON_CPU", True), (ops, "WEIGHT_GRAD_PROGRAMS", 1), (ops, "BLOCK_CHANNELS", 256)]
+    saved = [getattr(module, name) for module, name, _ in settings]
+    for module, name, value in settings:
+        setattr(module, name, value)
     try:
         yield
     finally:
-        for name, value in zip(names, saved):
-            setattr(fused_connections, name, value)
+        for (module, name, _), value in zip(settings, saved):
+            setattr(module, name, value)
 
 
 def bytes_per_token(residual, stream_dtype):
