@@ -15,8 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from residuals import (H_RES_DTYPES, MIXING_DTYPES, RESIDUALS, RMS_EPS, SINKHORN_ORDERS, ManifoldHyperConnection,
-                       at_least_fp32, expand_streams, reduce_streams)
+from residuals import (H_RES_DTYPES, MIXING_DTYPES, RESIDUALS, RMS_EPS, SINKHORN_ORDERS, HyperConnection,
+                       ManifoldHyperConnection, at_least_fp32, expand_streams, reduce_streams)
 
 MODEL_SIZES = {
     "tiny": dict(n_layer=4, n_head=4, n_embd=128),  # ours: a CPU demo and test model
@@ -47,6 +47,21 @@ def shares_compiled_sinkhorn(options) -> bool:
             and torch.__version__ >= SHARED_SINKHORN_TORCH)
 
 
+SCALAR_CPU_HC_BACKWARD_BEFORE = (2, 13)  # torch versions before this get cpu_inductor_options (docs/benchmarks.md)
+
+
+def cpu_inductor_options(model, options) -> dict:
+    """Inductor options compile_model adds: for hc on CPU before torch 2.13, scalar C++
+    (cpp.simdlen 0), because the vectorised code inductor writes for hc's backward there stores
+    past a buffer (heap corruption) and scalar code computes it right."""
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    uses_hc = any(isinstance(m, HyperConnection) for m in model.connections())
+    if (on_cpu and uses_hc and torch.__version__ < SCALAR_CPU_HC_BACKWARD_BEFORE
+            and options.get("backend", "inductor") == "inductor" and "mode" not in options):
+        return {"cpp.simdlen": 0}
+    return {}
+
+
 def compile_model(model, mode, **options):
     """torch.compile the whole model ("model"), or each transformer Block and the output head
     ("blocks", regional compilation). Every Block runs the same code on same-shaped inputs, and its
@@ -63,6 +78,8 @@ def compile_model(model, mode, **options):
         for connection in sinkhorn_users:
             connection.share_compiled_sinkhorn = True
         options["options"] = {**options.get("options", {}), "allow_buffer_reuse": False}
+    if cpu_inductor_options(model, options):
+        options["options"] = {**options.get("options", {}), **cpu_inductor_options(model, options)}
     if mode == "model":
         return torch.compile(model, **options)
     for block in model.transformer.h:

@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 import fused  # noqa: E402
 from fused import ops  # noqa: E402
+from fused.interpreter import version_problem  # noqa: E402
 from residuals import RESIDUALS  # noqa: E402
 
 VARIANTS = ("hc", "mhc", "mhclite")
@@ -256,6 +257,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") != "1":
         parser.error("needs TRITON_INTERPRET=1 (unset, or set to 1)")
+    import triton
+    problem = version_problem(triton.__version__)
+    if problem:
+        parser.error(problem)
     counts = count_all(args.residuals, args.stream_dtypes)
     print(f"Bytes per token per connection, n = {N_STREAMS}, C = {WIDTH}, bf16 autocast, bf16 branch output "
           f"(1 KB = 1000 bytes; floor 7 nCs + 16 C):\n")

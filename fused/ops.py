@@ -20,6 +20,7 @@ Every kernel launch goes through `_launch`; `launch_hook` lets a tool see (and r
 
 import contextlib
 import functools
+import os
 
 import torch
 
@@ -71,6 +72,9 @@ def _kernel_module():
     """kernels.py, imported at the first launch: importing this module never imports triton, so
     TRITON_INTERPRET, read when triton is imported, can still be set later."""
     from . import kernels
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        from .interpreter import fix_scalar_index
+        fix_scalar_index()
     return kernels
 
 
