@@ -12,7 +12,10 @@ bf16 branch output (as the model runs), with every kernel in Triton's interprete
 The per-token figure is the slope between two token counts, so weight-sized traffic (the projection
 weight read by every program, the grad-weight partials and their sum) does not count per token.
 Prints a markdown table; --json writes
-{residual: {stream_dtype: {"kernels": {name: bytes}, "torch": b, "forward": b, "backward": b, "total": b}}}.
+{residual: {stream_dtype: {"kernels": {name: bytes}, "torch": b, "forward": b, "backward": b, "total": b,
+"partials_at_m": b}}}. The grad-W partials (weight-sized, so not in the slope) are counted apart: one
+program's partials are the difference between two programs and one on the same tokens; times the
+model's programs over M's 16,384 tokens per micro-step, they are bytes per token at M.
 """
 
 import argparse
@@ -37,7 +40,10 @@ from residuals import RESIDUALS  # noqa: E402
 VARIANTS = ("hc", "mhc", "mhclite")
 STREAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 N_STREAMS, WIDTH = 4, 768
-TOKEN_COUNTS = (16, 32)  # one and two blocks of BLOCK_TOKENS tokens
+# Two and three blocks of BLOCK_TOKENS tokens: the one backward program re-reads its grad-W partial at both.
+TOKEN_COUNTS = (32, 48)
+M_TOKENS = 16 * 1024  # tokens per micro-step at M (16 x 1024), for the grad-W partials per token
+PARTIAL_TOKENS = 64  # four blocks: with one or two programs, each has a later block that adds to its partial
 ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
 FILLS = {"new_zeros", "new_ones", "new_full", "zeros", "ones", "full", "zeros_like", "ones_like", "full_like"}
 
@@ -186,11 +192,12 @@ def count_connection(residual, stream_dtype, tokens, n=N_STREAMS, width=WIDTH):
 
 
 @contextlib.contextmanager
-def counting_setup():
-    """The interpreter for CPU tensors; one backward program, so that the partials of grad W have the
-    same size at both token counts (how many there are does not change bytes per token); wide
+def counting_setup(programs=1):
+    """The interpreter for CPU tensors; `programs` backward programs (one: the partials of grad W have
+    the same size at both token counts, and how many there are does not change bytes per token); wide
     channel blocks, for fewer interpreted loop trips (each address counts once whatever the tiles)."""
-    settings = [(fused, "INTERPRET_ON_CPU", True), (ops, "WEIGHT_GRAD_PROGRAMS", 1), (ops, "BLOCK_CHANNELS", 256)]
+    settings = [(fused, "INTERPRET_ON_CPU", True), (ops, "WEIGHT_GRAD_PROGRAMS", programs),
+                (ops, "BLOCK_CHANNELS", 256)]
     saved = [getattr(module, name) for module, name, _ in settings]
     for module, name, value in settings:
         setattr(module, name, value)
@@ -199,6 +206,26 @@ def counting_setup():
     finally:
         for (module, name, _), value in zip(settings, saved):
             setattr(module, name, value)
+
+
+def phase_bytes(counted):
+    return sum(counted["kernels"].values()) + counted["torch"]
+
+
+def partial_bytes(residual, stream_dtype):
+    """Bytes one backward program's partials (grad W, grad scale, grad bias) move: the backward of
+    PARTIAL_TOKENS tokens with two programs minus with one."""
+    counts = {}
+    for programs in (1, 2):
+        with counting_setup(programs):
+            counts[programs] = phase_bytes(count_connection(residual, stream_dtype, PARTIAL_TOKENS)["backward"])
+    return counts[2] - counts[1]
+
+
+def partials_per_token_at_m(residual, stream_dtype):
+    """Bytes per token of the partials at M's tokens per micro-step, with the model's programs."""
+    programs = min(ops.WEIGHT_GRAD_PROGRAMS, M_TOKENS // ops.BLOCK_TOKENS)
+    return programs * partial_bytes(residual, stream_dtype) / M_TOKENS
 
 
 def bytes_per_token(residual, stream_dtype):
@@ -219,8 +246,15 @@ def bytes_per_token(residual, stream_dtype):
 
 
 def count_all(residuals=VARIANTS, stream_dtypes=tuple(STREAM_DTYPES)):
-    return {residual: {name: bytes_per_token(residual, STREAM_DTYPES[name]) for name in stream_dtypes}
-            for residual in residuals}
+    """{residual: {stream dtype: entry}}; each entry also has partials_at_m, the grad-W partials per
+    token at M (weight-sized, so outside the slopes; fp32 whatever the streams, so counted once per
+    variant, with fp32 streams)."""
+    counts = {}
+    for residual in residuals:
+        partials = partials_per_token_at_m(residual, torch.float32)
+        counts[residual] = {name: dict(bytes_per_token(residual, STREAM_DTYPES[name]), partials_at_m=partials)
+                            for name in stream_dtypes}
+    return counts
 
 
 def markdown(counts):
@@ -228,13 +262,13 @@ def markdown(counts):
     kernel_names = list(dict.fromkeys(k for per_dtype in counts.values() for e in per_dtype.values()
                                       for k in e["kernels"]))  # in launch order
     header = ["residual", "streams", "forward KB", "backward KB", "total KB", "floor KB",
-              *[f"{k} KB" for k in kernel_names], "torch KB"]
+              *[f"{k} KB" for k in kernel_names], "torch KB", "grad-W partials at M KB"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for residual, per_dtype in counts.items():
         for dtype_name, e in per_dtype.items():
             row = [residual, dtype_name, kb(e["forward"]), kb(e["backward"]), kb(e["total"]),
                    kb(budget(STREAM_DTYPES[dtype_name])), *[kb(e["kernels"].get(k, 0)) for k in kernel_names],
-                   kb(e["torch"])]
+                   kb(e["torch"]), kb(e["partials_at_m"])]
             lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 

@@ -187,9 +187,10 @@ def connection_pre_backward(x: torch.Tensor, grad: torch.Tensor, grad_u: torch.T
     tokens = x.shape[0]
     programs = min(WEIGHT_GRAD_PROGRAMS, _cdiv(tokens, BLOCK_TOKENS))
     grad_x = torch.empty_like(x)
-    grad_weight = weight.new_zeros((programs, *weight.shape))
-    grad_scale = scale.new_zeros((programs, scale.numel()))
-    grad_bias = bias.new_zeros((programs, bias.numel()))
+    # Every program has a token block (programs <= blocks) and writes its whole slice: no zero fill.
+    grad_weight = weight.new_empty((programs, *weight.shape))
+    grad_scale = scale.new_empty((programs, scale.numel()))
+    grad_bias = bias.new_empty((programs, bias.numel()))
     if tokens > 0:
         perms = perm_matrices.contiguous() if perm_matrices.numel() else weight
         _launch("pre_backward_kernel", (programs,), x.device, x, grad, grad_u, grad_h_post, weight.contiguous(),

@@ -12,6 +12,7 @@ JSON to --json (default out/bench/<size>-<device>-<dtype>-compile-time.json).
 """
 
 import argparse
+import concurrent.futures
 import contextlib
 import json
 import multiprocessing
@@ -73,8 +74,8 @@ def probe_in_fresh_process(args, name, cache):
     """compile_probe in a new Python process (spawned: no torch state inherited) whose inductor and
     Triton caches are in `cache`."""
     with environment(TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "triton")):
-        with multiprocessing.get_context("spawn").Pool(1) as pool:
-            return pool.apply(compile_probe, (args, name))
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            return pool.submit(compile_probe, args, name).result()
 
 
 def compile_times(args):

@@ -215,17 +215,3 @@ def test_bench_runs_bfloat16_streams_for_the_hc_family_only(tmp_path):
     rows = json.loads(out.read_text())["variants"]
     assert rows["res"]["stream_dtype"] == "float32" and rows["mhclite"]["stream_dtype"] == "bfloat16"
     assert rows["mhclite"]["time_ratio"] > 0
-
-
-@pytest.mark.slow
-def test_compile_time_probes_a_cold_then_a_warm_cache(tmp_path, capsys):
-    """Each variant's compile is probed in a fresh process on empty caches, then in a second process
-    on the caches the first filled: the second must find the compiled graphs there."""
-    out = tmp_path / "bench.json"
-    bench.main(SMALL_FLAGS + ["--residuals", "res", "--recompute", "off", "--no-micro", "--compile_time",
-                              "--json", str(out)])
-    probe = json.loads(out.read_text())["compile_time"]["res"]
-    assert probe["graphs"] == 1
-    assert 0 < probe["warm_compile_s"] < 0.5 * probe["compile_s"]
-    assert probe["warm_first_step_s"] < probe["first_step_s"]
-    assert "| warm-cache compile s |" in capsys.readouterr().out
