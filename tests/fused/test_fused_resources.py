@@ -16,7 +16,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from fused import ops  # noqa: E402
-from fused import resources as kernel_resources  # noqa: E402
+from fused import resources  # noqa: E402
 from fused.launches import connection_launches, jit_specialisation, specialise  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -68,17 +68,17 @@ def test_specialisation_is_the_jits():
 
 
 def test_resident_ctas_per_sm():
-    assert kernel_resources.ctas_per_sm(32, 0, 4, 80) == 16  # threads: 2048 / 128
-    assert kernel_resources.ctas_per_sm(255, 0, 4, 80) == 2  # 8192 registers a warp, two warps a quarter
-    assert kernel_resources.ctas_per_sm(78, 48 * 1024, 4, 80) == 3  # shared memory: 164 KB / 49 KB
-    assert kernel_resources.ctas_per_sm(78, 48 * 1024, 4, 90) == 4  # 228 KB / 49 KB
-    assert kernel_resources.ctas_per_sm(32, 164 * 1024, 4, 80) == 0  # more than a CTA may have
-    assert kernel_resources.ctas_per_sm(16, 0, 1, 90) == 32  # the CTA limit
+    assert resources.ctas_per_sm(32, 0, 4, 80) == 16  # threads: 2048 / 128
+    assert resources.ctas_per_sm(255, 0, 4, 80) == 2  # 8192 registers a warp, two warps a quarter
+    assert resources.ctas_per_sm(78, 48 * 1024, 4, 80) == 3  # shared memory: 164 KB / 49 KB
+    assert resources.ctas_per_sm(78, 48 * 1024, 4, 90) == 4  # 228 KB / 49 KB
+    assert resources.ctas_per_sm(32, 164 * 1024, 4, 80) == 0  # more than a CTA may have
+    assert resources.ctas_per_sm(16, 0, 1, 90) == 32  # the CTA limit
 
 
 @pytest.mark.slow
 def test_every_launched_kernel_compiles_for_sm80_and_sm90(tmp_path):
-    reason = kernel_resources.missing_tool()
+    reason = resources.missing_tool()
     if reason:
         pytest.skip(reason)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -90,14 +90,14 @@ def test_every_launched_kernel_compiles_for_sm80_and_sm90(tmp_path):
     records = json.loads(out.read_text())["records"]
 
     expected = [(residual, width, stream_dtype, "bfloat16" if autocast else "off", launch.kernel)
-                for residual in kernel_resources.RESIDUALS for width in kernel_resources.WIDTHS
-                for stream_dtype in kernel_resources.STREAM_DTYPES for autocast in (True, False)
+                for residual in resources.RESIDUALS for width in resources.WIDTHS
+                for stream_dtype in resources.STREAM_DTYPES for autocast in (True, False)
                 for launch in connection_launches(residual, stream_dtype, autocast, width, 2, 16, "cpu", run=False)]
     assert [(r["residual"], r["width"], r["stream_dtype"], r["autocast"], r["kernel"]) for r in records] == expected
-    assert DEFAULT_WIDTH in kernel_resources.WIDTHS and any(w % 16 for w in kernel_resources.WIDTHS)
+    assert DEFAULT_WIDTH in resources.WIDTHS and any(w % 16 for w in resources.WIDTHS)
     for r in records:
         name = f"{r['kernel']} {r['residual']} {r['stream_dtype']} streams, autocast {r['autocast']}, C={r['width']}"
-        for cc in kernel_resources.CCS:
+        for cc in resources.CCS:
             res = r[f"sm_{cc}"]
             assert "error" not in res, f"{name}, sm_{cc}: {res.get('error')}"
             assert res["shared_bytes"] <= SM80_SHARED_PER_CTA, f"{name}, sm_{cc}: {res['shared_bytes']} B shared"
