@@ -23,7 +23,6 @@ import collections
 import contextlib
 import json
 import os
-import sys
 
 # Triton reads TRITON_INTERPRET when it is imported, which the ops do at their first launch.
 os.environ.setdefault("TRITON_INTERPRET", "1")
