@@ -193,10 +193,11 @@ def count_connection(residual, stream_dtype, tokens, n=N_STREAMS, width=WIDTH):
 @contextlib.contextmanager
 def counting_setup(programs=1):
     """The interpreter for CPU tensors; `programs` backward programs (one: the partials of grad W have
-    the same size at both token counts, and how many there are does not change bytes per token); wide
-    channel blocks, for fewer interpreted loop trips (each address counts once whatever the tiles)."""
+    the same size at both token counts, and how many there are does not change bytes per token); one
+    channel block over all of C, for the fewest interpreted loop trips (each address counts once
+    whatever the tiles)."""
     settings = [(fused, "INTERPRET_ON_CPU", True), (ops, "WEIGHT_GRAD_PROGRAMS", programs),
-                (ops, "BLOCK_CHANNELS", 256)]
+                (ops, "BLOCK_CHANNELS", 1 << (WIDTH - 1).bit_length())]
     saved = [getattr(module, name) for module, name, _ in settings]
     for module, name, value in settings:
         setattr(module, name, value)
