@@ -4,9 +4,7 @@
     python bench.py --size S --device cpu --batch_size 4 --block_size 256
     python bench.py --size M                       # on a GPU: cuda, bf16, compiled, 16 x 1024, with and without recompute
     python bench.py --size tiny --device cpu --n_sweep 4,6,8 --k_sweep 8,32,128   # mhclite (K perms) vs mhc per n
-    python bench.py --size tiny --device cpu --compile_time --recompute off       # compile seconds, cold and warm cache
     python bench.py --size tiny --device cpu --compile on --compile_mode both     # whole model vs block by block
-    python bench.py --size M --kernels             # each fused connection kernel alone: time, GB/s, x copy
 
 Every variant lives in this one process and is measured interleaved: round r runs one training
 step of every variant, in an order rotated by r, so that drifts of the machine (other jobs, clock
@@ -34,6 +32,7 @@ out/bench/<size>-<device>-<dtype>[-compiled][-sweep].json). docs/benchmarks.md h
 import argparse
 import contextlib
 import datetime
+import functools
 import gc
 import json
 import math
@@ -41,17 +40,13 @@ import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 from tqdm import tqdm
 
-import fused_connections
-from kernel_launches import connection_launches
 from model import (COMPILE_MODES, DEFAULT_COMPILE_MODE, GPT, STREAM_DTYPES, GPTConfig, compile_model,
                    connection_options, connection_path, model_shape)
 from residuals import RESIDUALS, permutation_matrices, sinkhorn
@@ -63,10 +58,11 @@ BLOCKS_SUFFIX = "/blocks"  # the variant compiled block by block, next to the wh
 DEFAULT_BATCH_BLOCK = {"tiny": (8, 128)}  # (batch_size, block_size) by size
 PAPER_BATCH_BLOCK = (16, 1024)  # every other size
 NUM_BATCHES = 4  # distinct random batches, cycled
-COMPILE_PROBE_STEPS = 5  # ordinary compiled steps timed after the first one
 MEMORY_STEPS = 2  # steps measured for a variant's peak memory, after one warm-up step
 MEMORY_BUDGET_FRACTION = 0.85  # of the free GPU memory, for the variants timed side by side
-COUNT_BYTES_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "count_bytes.py")
+# Flags that moved out of bench.py, and the command that has them now.
+MOVED_FLAGS = {"--kernels": "python -m fused.bench_kernels", "--kernel_bytes": "python -m fused.bench_kernels",
+               "--compile_time": "python scripts/compile_time.py", "--compile_probe": "python scripts/compile_time.py"}
 
 
 class BenchError(Exception):
@@ -413,13 +409,15 @@ def connection_step(module, x, grad, ctx, fused):
     """A step function: the module's forward on x with the cheap branch (through the fused kernels
     when asked for and they can run here), and its backward."""
     inputs = [x, *module.parameters()]
+    forward = module
+    if fused:
+        import fused as kernels
+        if kernels.supported(module, x):
+            forward = functools.partial(kernels.connection_forward, module)
 
     def step(r):
         with ctx:
-            if fused and fused_connections.supported(module, x):
-                y = fused_connections.connection_forward(module, x, half)
-            else:
-                y = module(x, half)
+            y = forward(x, half)
         torch.autograd.grad(y, inputs, grad)
 
     return step
@@ -496,160 +494,6 @@ def micro_h_res(args, device, n, iters):
 
 
 # ----------------------------------------------------------------------------------------------
-# Kernels alone (--kernels): each fused connection kernel replayed by itself
-
-
-def time_alone(fn, warmup, repeats, device, calls=10):
-    """Median ms of one fn() call. On CUDA each repeat brackets `calls` back-to-back calls with
-    events, so that launch overhead hides behind the kernels as in a training step."""
-    calls = calls if device.type == "cuda" else 1
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(calls):
-                fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / calls)
-        else:
-            began = time.perf_counter()
-            fn()
-            times.append(1000 * (time.perf_counter() - began))
-    return statistics.median(times)
-
-
-def kernel_bytes(args, residuals):
-    """Bytes per token per kernel from scripts/count_bytes.py's JSON ({residual: {stream dtype: {"kernels":
-    {kernel: bytes}}}}): --kernel_bytes, or a run of the script on CPU in Triton's interpreter."""
-    path = args.kernel_bytes
-    with tempfile.TemporaryDirectory(prefix="bench-bytes-") as folder:
-        if path is None:
-            if not os.path.isfile(COUNT_BYTES_SCRIPT):
-                raise BenchError("scripts/count_bytes.py is missing; pass --kernel_bytes PATH")
-            path = os.path.join(folder, "bytes.json")
-            env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-            proc = subprocess.run([sys.executable, COUNT_BYTES_SCRIPT, "--json", path, "--residuals", ",".join(residuals),
-                                   "--stream_dtypes", ",".join(STREAM_DTYPES)], env=env, capture_output=True, text=True)
-            if proc.returncode != 0:
-                last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-                raise BenchError(f"scripts/count_bytes.py failed: {last}")
-        try:
-            with open(path, encoding="utf-8") as f:
-                return json.load(f)
-        except (OSError, ValueError) as e:
-            raise BenchError(f"cannot read the kernel bytes {path}: {e}") from None
-
-
-def kernel_bench(args, device):
-    """Every fused connection kernel alone, at the benchmark's (B, T, n, C), for each HC-family
-    variant with fp32 and bf16 streams: the launches of one forward + backward of the variant's
-    connection are recorded (kernel_launches.py), then each is replayed alone and timed; GB/s from
-    the counted bytes per token, against a device-to-device copy of the streams measured here."""
-    residuals = [r for r in args.residual_list if r in HC_FAMILY]
-    if not residuals:
-        raise BenchError(f"--kernels times the HC family's kernels; --residuals has none of {', '.join(HC_FAMILY)}")
-    counted = kernel_bytes(args, residuals)
-    n, width, tokens = GPTConfig.n_streams, args.shape["n_embd"], args.batch_size * args.block_size
-    rows, copies = [], {}
-    for stream_dtype, dtype in STREAM_DTYPES.items():
-        source = torch.randn(tokens, n, width, generator=torch.Generator().manual_seed(args.seed)).to(device, dtype)
-        target = torch.empty_like(source)
-        copy_ms = time_alone(lambda: target.copy_(source), args.warmup, args.steps, device)
-        copies[stream_dtype] = dict(ms=copy_ms, bytes=2 * source.nbytes, gb_per_s=2 * source.nbytes / copy_ms / 1e6)
-        del source, target
-        for residual in residuals:
-            launches = connection_launches(residual, stream_dtype, args.dtype == "bfloat16", width, args.batch_size,
-                                           args.block_size, device, n_streams=n, seed=args.seed)
-            synchronize(device)
-            by_kernel = {}
-            for launch in launches:
-                row = by_kernel.setdefault(launch.kernel, dict(residual=residual, stream_dtype=stream_dtype,
-                                                               kernel=launch.kernel, phase=launch.phase, launches=0, ms=0.0))
-                row["launches"] += 1
-                row["ms"] += time_alone(launch.replay, args.warmup, args.steps, device)
-            for row in by_kernel.values():
-                per_token = counted.get(residual, {}).get(stream_dtype, {}).get("kernels", {}).get(row["kernel"])
-                gb_per_s = per_token * tokens / row["ms"] / 1e6 if per_token is not None else None
-                rows.append(dict(row, bytes_per_token=per_token, gb_per_s=gb_per_s,
-                                 copy_ratio=ratio(gb_per_s, copies[stream_dtype]["gb_per_s"])))
-            del launches
-            free_device_memory(device)
-    return dict(rows=rows, copies=copies, tokens=tokens, n_streams=n, width=width, autocast=args.dtype,
-                kernel_bytes=args.kernel_bytes or "scripts/count_bytes.py", dry_run=device.type != "cuda")
-
-
-def kernel_table(result):
-    rows = [[r["residual"], r["stream_dtype"], r["kernel"].removesuffix("_kernel"), r["phase"], str(r["launches"]),
-             fmt(1000 * r["ms"], ".1f"), fmt(r["bytes_per_token"], ",.0f"), fmt(r["gb_per_s"], ".0f"),
-             fmt(r["copy_ratio"], ".2f")] for r in result["rows"]]
-    copies = "; ".join(f"{dtype} streams {fmt(c['gb_per_s'], '.0f')} GB/s ({fmt(1000 * c['ms'], '.1f')} us for "
-                       f"{c['bytes'] / 2**20:.1f} MiB read + written)" for dtype, c in result["copies"].items())
-    table = markdown_table(["variant", "streams", "kernel", "phase", "launches", "us", "bytes/token", "GB/s",
-                            "x copy"], rows)
-    return f"{table}\n\ndevice-to-device copy of the streams: {copies}"
-
-
-# ----------------------------------------------------------------------------------------------
-# Compile time: each variant in a fresh process with an empty inductor cache
-
-
-def probe_argv(args, name):
-    return ["--size", args.size, "--batch_size", str(args.batch_size), "--block_size", str(args.block_size),
-            "--device", args.device_type, "--dtype", args.dtype, "--vocab_size", str(args.vocab_size),
-            "--seed", str(args.seed), "--residuals", ",".join(args.residual_list), "--recompute", args.recompute,
-            "--stream_dtype", args.stream_dtype, "--fused_connections", args.fused_connections,
-            "--compile_mode", args.compile_mode, "--compile_probe", name]
-
-
-def compile_probe(args, config, compile_mode, device):
-    """First compiled training step minus an ordinary compiled step, in seconds (this process), and
-    the number of graphs dynamo compiled."""
-    model = build_models({"probe": config}, args.seed, device)["probe"]
-    optimizer = make_optimizer(model, device)
-    compiled = compile_model(model, compile_mode)
-    batches = random_batches(NUM_BATCHES, args.batch_size, args.block_size, args.vocab_size, args.seed, device)
-    ctx = autocast_context(device, args.dtype)
-    times = []
-    for i in range(1 + COMPILE_PROBE_STEPS):
-        x, y = batches[i % len(batches)]
-        synchronize(device)
-        start = time.perf_counter()
-        train_step(compiled, optimizer, x, y, ctx)
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    step_s = statistics.median(times[1:])
-    return dict(compile_s=times[0] - step_s, first_step_s=times[0], step_ms=1000 * step_s,
-                graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"])
-
-
-def run_compile_probe(args, name, env):
-    command = [sys.executable, os.path.abspath(__file__), *probe_argv(args, name)]
-    proc = subprocess.run(command, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise BenchError(f"compile-time probe for {name} failed: {last}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def compile_times(args, names):
-    """Per variant, a probe in a fresh process with empty inductor and Triton caches (cold: a run's
-    first start), then a second fresh process on the caches the first filled (warm: a resume, or the
-    next run of a sweep on the same machine)."""
-    results = {}
-    for name in tqdm(names, desc="compile time", leave=False):
-        with tempfile.TemporaryDirectory(prefix="bench-inductor-") as cache:
-            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "triton"))
-            cold = run_compile_probe(args, name, env)
-            warm = run_compile_probe(args, name, env)
-        results[name] = dict(cold, warm_compile_s=warm["compile_s"], warm_first_step_s=warm["first_step_s"])
-    return results
-
-
-# ----------------------------------------------------------------------------------------------
 # Output
 
 
@@ -697,16 +541,6 @@ def connections_line(summary):
                                        for name, r in summary.items())
 
 
-def compile_table(results):
-    baselines = same_mode_baselines(results, "res")
-    rows = [[name, fmt(r["compile_s"], ".1f"),
-             fmt(ratio(r["compile_s"], results.get(baselines[name], {}).get("compile_s")), ".2f"),
-             fmt(r["warm_compile_s"], ".1f"), fmt(r["first_step_s"], ".1f"), fmt(r["step_ms"], ".1f"),
-             str(r["graphs"])] for name, r in results.items()]
-    return markdown_table(["variant", "compile s", "x res", "warm-cache compile s", "first step s", "compiled step ms",
-                           "graphs"], rows)
-
-
 def blocks_table(summary):
     """Compiled step time by blocks against the whole-model compile of the same variant."""
     rows = []
@@ -741,52 +575,58 @@ def int_list(text):
     return values
 
 
+MODEL_FLAGS = {  # the flags that choose the models and batches; scripts/compile_time.py shares them
+    "--size": dict(default="tiny", help="tiny, S, M or L"),
+    "--batch_size": dict(type=int, help="default 8 for tiny, 16 otherwise"),
+    "--block_size": dict(type=int, help="default 128 for tiny, 1024 otherwise"),
+    "--device": dict(default="auto", choices=["auto", "cpu", "cuda"]),
+    "--dtype": dict(default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="autocast dtype; auto: bfloat16 on cuda (train.py's default), float32 on cpu"),
+    "--residuals": dict(default="res,hc,mhc,mhclite"),
+    "--recompute": dict(default="both", choices=["both", "on", "off"],
+                        help="recompute_connections for the HC family; both: a row with and without"),
+    "--stream_dtype": dict(default="float32", choices=["float32", "bfloat16"],
+                           help="storage of the HC family's streams (res keeps nanoGPT's fp32 residual)"),
+    "--fused_connections": dict(default="off", choices=["on", "off"],
+                                help="Triton kernels (the fused package) for the HC family where they can run "
+                                     "(CUDA; on CPU under TRITON_INTERPRET=1 in the interpreter: a dry run whose "
+                                     "step times mean nothing)"),
+    "--vocab_size": dict(type=int, default=50304),
+    "--seed": dict(type=int, default=0),
+}
+
+
+def add_model_flag(parser, flag):
+    parser.add_argument(flag, **MODEL_FLAGS[flag])
+
+
 def parse_args(argv):
+    moved = next((flag for flag in argv if flag.split("=")[0] in MOVED_FLAGS), None)
+    if moved:
+        raise BenchError(f"{moved.split('=')[0]} moved out of bench.py: use {MOVED_FLAGS[moved.split('=')[0]]}")
     parser = argparse.ArgumentParser(description="Side-by-side benchmark of res, hc, mhc and mhclite.",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--size", default="tiny", help="tiny, S, M or L")
-    parser.add_argument("--batch_size", type=int, help="default 8 for tiny, 16 otherwise")
-    parser.add_argument("--block_size", type=int, help="default 128 for tiny, 1024 otherwise")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                        help="autocast dtype; auto: bfloat16 on cuda (train.py's default), float32 on cpu")
+    for flag in MODEL_FLAGS:
+        add_model_flag(parser, flag)
     parser.add_argument("--compile", default="auto", nargs="?", const="on", choices=["auto", "on", "off"],
                         help="torch.compile every model; auto: on for cuda, off on cpu")
     parser.add_argument("--compile_mode", default=DEFAULT_COMPILE_MODE, choices=[*COMPILE_MODES, "both"],
                         help="what torch.compile compiles: the whole model, or each transformer block and the head "
                              "(regional: one compiled block serves every layer); both: a row for each")
-    parser.add_argument("--compile_time", action="store_true",
-                        help="also measure each variant's cold-cache compile time in a fresh process")
     parser.add_argument("--steps", type=int, default=20, help="measured rounds")
     parser.add_argument("--warmup", type=int, default=3, help="unmeasured rounds first")
-    parser.add_argument("--residuals", default="res,hc,mhc,mhclite")
-    parser.add_argument("--recompute", default="both", choices=["both", "on", "off"],
-                        help="recompute_connections for the HC family; both: a row with and without")
-    parser.add_argument("--stream_dtype", default="float32", choices=["float32", "bfloat16"],
-                        help="storage of the HC family's streams (res keeps nanoGPT's fp32 residual)")
-    parser.add_argument("--fused_connections", default="off", choices=["on", "off"],
-                        help="Triton kernels (fused_connections.py) for the HC family where they can run (CUDA; "
-                             "on CPU under TRITON_INTERPRET=1 in the interpreter: a dry run, whose --compile_time "
-                             "seconds are inductor's real work around the kernels and whose step times mean nothing)")
     parser.add_argument("--micro", action=argparse.BooleanOptionalAction, default=True,
                         help="micro-benchmarks: one connection module, and H_res construction alone")
     parser.add_argument("--n_sweep", type=int_list, help="stream counts n: mhclite vs mhc per n (e.g. 4,6,8)")
     parser.add_argument("--k_sweep", type=int_list, default=[8, 32, 128],
                         help="mhclite permutation budgets K for --n_sweep (K <= n!; all n! added for n <= 5)")
-    parser.add_argument("--vocab_size", type=int, default=50304)
     parser.add_argument("--peak_flops", type=float, help="peak FLOP/s for MFU (default: by GPU name)")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="output path (default out/bench/<size>-<device>-<dtype>[-compiled][-sweep].json)")
-    parser.add_argument("--kernels", action="store_true",
-                        help="time each fused connection kernel alone instead (CUDA; on CPU only under "
-                             "TRITON_INTERPRET=1, a dry run whose times mean nothing)")
-    parser.add_argument("--kernel_bytes", help="--kernels: scripts/count_bytes.py's JSON (default: run it on CPU)")
-    parser.add_argument("--compile_probe", help=argparse.SUPPRESS)  # internal: one variant's compile time
     return parser.parse_args(argv)
 
 
-def resolve(args):
-    """Checks the settings and fills in the derived ones (or raises BenchError)."""
+def resolve_model_flags(args):
+    """Checks MODEL_FLAGS' values and fills in the derived ones (or raises BenchError)."""
     try:
         args.shape = model_shape(args.size)
     except ValueError as e:
@@ -797,8 +637,6 @@ def resolve(args):
     for key in ("batch_size", "block_size", "steps", "vocab_size"):
         if getattr(args, key) < 1:
             raise BenchError(f"--{key} must be >= 1, got {getattr(args, key)}")
-    if args.warmup < 0:
-        raise BenchError(f"--warmup must be >= 0, got {args.warmup}")
     args.residual_list = list(dict.fromkeys(r.strip() for r in args.residuals.split(",") if r.strip()))
     for residual in args.residual_list:
         if residual not in RESIDUALS:
@@ -812,24 +650,23 @@ def resolve(args):
         args.dtype = "bfloat16" if args.device_type == "cuda" else "float32"
     if args.device_type == "cuda" and args.dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
         raise BenchError("this GPU does not support bfloat16; use --dtype float32")
+    return args
+
+
+def resolve(args):
+    """Checks the settings and fills in the derived ones (or raises BenchError)."""
+    resolve_model_flags(args)
+    if args.warmup < 0:
+        raise BenchError(f"--warmup must be >= 0, got {args.warmup}")
     args.use_compile = args.compile == "on" or (args.compile == "auto" and args.device_type == "cuda")
-    if args.kernels and (args.n_sweep or args.compile_time):
-        raise BenchError("--kernels runs alone; drop --n_sweep and --compile_time")
-    if args.kernels and not fused_connections.TRITON_AVAILABLE:
-        raise BenchError("--kernels needs triton")
-    if args.kernels and args.device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise BenchError("--kernels times the Triton kernels on CUDA; on CPU it runs only under TRITON_INTERPRET=1 "
-                         "(a dry run at tiny shapes)")
     if args.fused_connections == "on" and args.device_type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
-        fused_connections.INTERPRET_ON_CPU = True  # a dry run: inductor's work around the kernels is real, times are not
+        import fused
+        fused.INTERPRET_ON_CPU = True  # a dry run: inductor's work around the kernels is real, times are not
     args.compile_modes = list(COMPILE_MODES) if args.compile_mode == "both" else [args.compile_mode]
     if args.compile_mode == "both" and args.n_sweep:
         raise BenchError("--compile_mode both compares the --residuals variants; run it without --n_sweep")
-    if args.n_sweep and args.compile_time:
-        raise BenchError("--compile_time measures the --residuals variants; run it without --n_sweep")
     if args.json is None:
         suffix = ("-compiled" if args.use_compile else "") + ("-sweep" if args.n_sweep else "")
-        suffix = "-kernels" if args.kernels else suffix
         args.json = os.path.join("out", "bench", f"{args.size}-{args.device_type}-{args.dtype}{suffix}.json")
     return args
 
@@ -838,13 +675,6 @@ def run(args, argv):
     device = torch.device(args.device_type)
     common = dict(shape=args.shape, block_size=args.block_size, vocab_size=args.vocab_size,
                   stream_dtype=args.stream_dtype, fused_connections=args.fused_connections == "on")
-    if args.compile_probe:
-        configs, modes = with_compile_modes(main_variants(args.residual_list, args.recompute, **common),
-                                            args.compile_modes)
-        if args.compile_probe not in configs:
-            raise BenchError(f"unknown variant '{args.compile_probe}'; valid: {', '.join(configs)}")
-        print(json.dumps(compile_probe(args, configs[args.compile_probe], modes[args.compile_probe], device)))
-        return
     result = environment(argv, device)
     result["settings"] = dict(size=args.size, **args.shape, batch_size=args.batch_size, block_size=args.block_size,
                               tokens_per_step=args.batch_size * args.block_size, dtype=args.dtype,
@@ -859,14 +689,7 @@ def run(args, argv):
              f"{args.stream_dtype}, fused connections {args.fused_connections}, "
              f"{result['device_name']}, torch {torch.__version__}, {args.steps} rounds after {args.warmup} warm-up")
     cuda = device.type == "cuda"
-    if args.kernels:
-        result["mode"] = "kernels"
-        result["kernels"] = kernel_bench(args, device)
-        dry_run = "" if cuda else ", CPU DRY RUN in Triton's interpreter: the times are not GPU times"
-        print(f"## Fused connection kernels alone, {args.batch_size} x {args.block_size} tokens, n = "
-              f"{GPTConfig.n_streams}, C = {args.shape['n_embd']}, autocast {args.dtype}, {result['device_name']}, "
-              f"median of {args.steps} after {args.warmup} warm-up{dry_run}\n\n{kernel_table(result['kernels'])}\n")
-    elif args.n_sweep:
+    if args.n_sweep:
         configs, baselines = sweep_variants(args.n_sweep, args.k_sweep, args.recompute, **common)
         result["mode"], result["baseline"] = "n_sweep", "mhc with the same n"
         result["variants"] = bench_models(configs, baselines, args, device)
@@ -892,12 +715,6 @@ def run(args, argv):
                                             **h_res, mhc_over_mhclite_time=h_res["mhc"]["time_ratio"],
                                             mhc_over_mhclite_ops=h_res["mhc"]["ops"] / h_res["mhclite"]["ops"])
             print(f"## Micro: H_res construction\n\n{h_res_table(h_res, n, args.batch_size * args.block_size, iters)}\n")
-        if args.compile_time:
-            result["compile_time"] = compile_times(args, list(with_compile_modes(
-                main_variants(args.residual_list, args.recompute, **common), args.compile_modes)[0]))
-            print(f"## Compile time: cold (fresh process and inductor cache per variant), then warm (a second "
-                  f"process on that cache)\n\n"
-                  f"{compile_table(result['compile_time'])}\n")
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w", encoding="utf-8") as f:
         json.dump(result, f, indent=2)
@@ -906,9 +723,8 @@ def run(args, argv):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = parse_args(argv)
     try:
-        run(resolve(args), argv)
+        run(resolve(parse_args(argv)), argv)
     except BenchError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -15,9 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import authors
-import fused_connections
-from residuals import (RESIDUALS, RMS_EPS, ManifoldHyperConnection, at_least_fp32, expand_streams, reduce_streams,
-                       sinkhorn)
+from residuals import (RESIDUALS, RMS_EPS, HyperConnection, ManifoldHyperConnection, at_least_fp32, expand_streams,
+                       reduce_streams, sinkhorn)
 
 MODEL_SIZES = {
     "tiny": dict(n_layer=4, n_head=4, n_embd=128),  # ours: a CPU demo and test model
@@ -54,6 +53,21 @@ def shares_compiled_sinkhorn(options) -> bool:
             and torch.__version__ >= SHARED_SINKHORN_TORCH)
 
 
+SCALAR_CPU_HC_BACKWARD_BEFORE = (2, 13)  # torch versions before this get cpu_inductor_options (docs/benchmarks.md)
+
+
+def cpu_inductor_options(model, options) -> dict:
+    """Inductor options compile_model adds: for hc on CPU before torch 2.13, scalar C++
+    (cpp.simdlen 0), because the vectorised code inductor writes for hc's backward there stores
+    past a buffer (heap corruption) and scalar code computes it right."""
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    uses_hc = any(isinstance(m, HyperConnection) for m in model.connections())
+    if (on_cpu and uses_hc and torch.__version__ < SCALAR_CPU_HC_BACKWARD_BEFORE
+            and options.get("backend", "inductor") == "inductor" and "mode" not in options):
+        return {"cpp.simdlen": 0}
+    return {}
+
+
 def compile_model(model, mode, **options):
     """torch.compile the whole model ("model"), or each transformer Block and the output head
     ("blocks", regional compilation). Every Block runs the same code on same-shaped inputs, and its
@@ -69,6 +83,9 @@ def compile_model(model, mode, **options):
         for connection in sinkhorn_users:
             connection.sinkhorn_fn = shared_sinkhorn
         options["options"] = {**options.get("options", {}), "allow_buffer_reuse": False}
+    scalar_cpu_code = cpu_inductor_options(model, options)
+    if scalar_cpu_code:
+        options["options"] = {**options.get("options", {}), **scalar_cpu_code}
     if mode == "model":
         return torch.compile(model, **options)
     for block in model.transformer.h:
@@ -199,8 +216,10 @@ class Block(nn.Module):
 
     def connect(self, connection, x, branch):
         """connection(x, branch), through the fused kernels when they can run here."""
-        if self.fused_connections and fused_connections.supported(connection, x):
-            return fused_connections.connection_forward(connection, x, branch)
+        if self.fused_connections:
+            import fused  # the kernels' package, imported only for models that ask for it
+            if fused.supported(connection, x):
+                return fused.connection_forward(connection, x, branch)
         return connection(x, branch)
 
     def forward(self, x, kv_cache=None):
@@ -342,9 +361,10 @@ def connection_path(config, connection, device) -> dict:
     {"path": "fused" or "reference", "why": the reason}."""
     if not config.fused_connections:
         return dict(path="reference", why="fused_connections=False")
+    import fused
     dtype = STREAM_DTYPES[config.stream_dtype] if config.residual != "res" else torch.float32
     x = torch.empty(0, 1, config.n_streams, config.n_embd, dtype=dtype, device=device)
-    reason = fused_connections.unsupported_reason(connection, x)
+    reason = fused.unsupported_reason(connection, x)
     if reason is not None:
         return dict(path="reference", why=f"fused_connections=True but: {reason}")
     engine = "Triton" if x.device.type == "cuda" else "Triton interpreter"

@@ -12,13 +12,15 @@
 #                      (the first step's time is the cold compile of that mode)
 #   options  ~5.5 min  CUDA tests with bf16 streams; bench.py --size M for res and mhclite with bf16 streams,
 #                      and with the fused connections and bf16 streams
-#   kernels  ~5.5 min  CUDA tests of the Triton kernels, then bench.py --kernels (per-kernel timings)
+#   kernels  ~5.5 min  CUDA tests of the Triton kernels, then python -m fused.bench_kernels (per-kernel timings;
+#                      bytes per token from fused/kernel_bytes.json, counted on a CPU: no interpreter here)
 # Every stage runs (a failing one does not stop the next) under a time limit (STAGE_LIMIT_S, 480 s),
 # logs to DIR/<stage>.log and leaves its results in DIR (default out/gpu_check); the summary, printed
 # last, says which stages ran, failed or did not run (in this or an earlier command on the same DIR),
 # then the results table. Exit code 1 if a stage failed.
 # The CPU dry run, `--device cpu --size tiny`, runs the same stages at tiny shapes without CUDA
-# (Triton in its interpreter where a stage uses the kernels); tests/test_gpu_check.py runs it.
+# (Triton in its interpreter where a stage uses the kernels: on the CPU only, never with --device cuda);
+# tests/test_gpu_check.py runs it.
 # Inductor and Triton caches live in .cache/ (ignored), so a later command reuses earlier compiles.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -55,10 +57,11 @@ if [ "$DEVICE" = cuda ] && ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torc
 fi
 if [ "$SIZE" = M ]; then
     # The paper's shape: bench.py's defaults (16 x 1024, 20 rounds after 3 warm-up), train.py at batch 16.
-    export BENCH_ARGS="" TRAIN_ARGS="--batch_size=16 --max_iters=20 --warmup_iters=5 --eval_interval=20 --log_interval=5"
+    export BENCH_ARGS="" KERNEL_ARGS="" TRAIN_ARGS="--batch_size=16 --max_iters=20 --warmup_iters=5 --eval_interval=20 --log_interval=5"
     export CPU_TESTS=tests INTERPRET=0
 else
-    export BENCH_ARGS="--batch_size 2 --block_size 32 --vocab_size 512 --steps 2 --warmup 1"
+    export KERNEL_ARGS="--batch_size 2 --block_size 32 --steps 2 --warmup 1"
+    export BENCH_ARGS="$KERNEL_ARGS --vocab_size 512"
     export TRAIN_ARGS="--batch_size=2 --block_size=32 --max_iters=4 --warmup_iters=1 --eval_interval=4 --log_interval=2"
     export CPU_TESTS=tests/test_gpu_check.py::test_usage_errors_exit_2 INTERPRET=1  # CI runs all the others
 fi
@@ -97,7 +100,7 @@ stage_options() {
 
 stage_kernels() {
     "$PYTHON" -m pytest -q -m "cuda and fused" tests/test_cuda.py
-    TRITON_INTERPRET=$INTERPRET "$PYTHON" bench.py --size "$SIZE" --device "$DEVICE" --kernels $BENCH_ARGS \
+    TRITON_INTERPRET=$INTERPRET "$PYTHON" -m fused.bench_kernels --size "$SIZE" --device "$DEVICE" $KERNEL_ARGS \
         --json "$OUT/kernels.json"
 }
 export -f "${STAGES[@]/#/stage_}"

@@ -1,5 +1,6 @@
-"""Shared test setup: offline environment variables, the tiny char-level corpus fixture, and tiny
-runs trained on the HellaSwag fixture (analysis/hellaswag.py, export_hf.py)."""
+"""Shared test setup: offline environment variables, Triton's interpreter without a GPU, the tiny
+char-level corpus fixture, tiny runs trained on the HellaSwag fixture (analysis/hellaswag.py,
+export_hf.py), and helpers several test files use (`from conftest import ...`)."""
 
 import json
 import os
@@ -14,6 +15,11 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
+# Without a GPU the fused kernels run in Triton's interpreter, which triton reads when it is imported:
+# set here, before any test module is collected. With a GPU it stays off (it is process-wide and would
+# also run inductor's Triton kernels).
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 WORDS = ("the king and queen of a far land rode to the old castle where one bold knight kept "
          "watch over the river and the hills").split()
@@ -32,6 +38,16 @@ def write_char_dataset(root, name, text):
                 val_tokens=len(ids) - n_train, dtype="uint16", source="test", split_seed=0, val_fraction=0.1,
                 itos=chars)
     (folder / "meta.json").write_text(json.dumps(meta))
+
+
+FUSED_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fused")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Everything under tests/fused/ is marked `fused` (pytest -m fused runs the kernels' tests alone)."""
+    for item in items:
+        if str(item.path).startswith(FUSED_TESTS + os.sep):
+            item.add_marker(pytest.mark.fused)
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +96,7 @@ def hellaswag_runs(tmp_path_factory):
 @pytest.fixture
 def graph_counter():
     """A torch.compile backend that runs every graph dynamo hands it as traced and counts them
-    (`.graphs`). torch._dynamo.testing has one, but importing it imports triton, which must wait
-    until test_fused_connections.py has set TRITON_INTERPRET."""
+    (`.graphs`)."""
     class GraphCounter:
         graphs = 0
 
@@ -99,3 +114,24 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def randomise(module, scale, seed=0):
+    """Every parameter of module moved off its init by scale * N(0, 1) (one seeded generator), so
+    that every coefficient path matters and no setting hides behind a symmetric start."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=generator).to(p.device, p.dtype))
+    return module
+
+
+def one_error_line(main, argv, capsys):
+    """Runs a command line's main(argv), which must exit with code 2 after exactly one stderr line,
+    `error: ...`, and no traceback; returns that line."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
+    return err

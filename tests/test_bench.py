@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import bench
+from conftest import one_error_line
 from model import GPT, GPTConfig, compile_model, model_shape
 
 BLOCK, VOCAB, SEED = 16, 96, 3
@@ -148,11 +149,8 @@ def test_n_sweep_compares_mhclite_budgets_to_mhc_per_n(tmp_path):
     (["--n_sweep", "6", "--k_sweep", "800"], "error: no mhclite permutation budget K <= 6! = 720"),
 ])
 def test_bad_input_is_one_error_line(flags, message, tmp_path, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        bench.main(SMALL_FLAGS + flags + ["--json", str(tmp_path / "x.json")])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith(message) and "\n" not in err
+    assert one_error_line(bench.main, SMALL_FLAGS + flags + ["--json", str(tmp_path / "x.json")],
+                          capsys).startswith(message)
     assert not (tmp_path / "x.json").exists()
 
 
@@ -215,17 +213,3 @@ def test_bench_runs_bfloat16_streams_for_the_hc_family_only(tmp_path):
     rows = json.loads(out.read_text())["variants"]
     assert rows["res"]["stream_dtype"] == "float32" and rows["mhclite"]["stream_dtype"] == "bfloat16"
     assert rows["mhclite"]["time_ratio"] > 0
-
-
-@pytest.mark.slow
-def test_compile_time_probes_a_cold_then_a_warm_cache(tmp_path, capsys):
-    """Each variant's compile is probed in a fresh process on empty caches, then in a second process
-    on the caches the first filled: the second must find the compiled graphs there."""
-    out = tmp_path / "bench.json"
-    bench.main(SMALL_FLAGS + ["--residuals", "res", "--recompute", "off", "--no-micro", "--compile_time",
-                              "--json", str(out)])
-    probe = json.loads(out.read_text())["compile_time"]["res"]
-    assert probe["graphs"] == 1
-    assert 0 < probe["warm_compile_s"] < 0.5 * probe["compile_s"]
-    assert probe["warm_first_step_s"] < probe["first_step_s"]
-    assert "| warm-cache compile s |" in capsys.readouterr().out

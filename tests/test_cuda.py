@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import bench
-import fused_connections
+import fused
 from model import DEFAULT_COMPILE_MODE, GPT, MODEL_SIZES, GPTConfig, compile_model
 from residuals import RESIDUALS, capture_connections
 
@@ -113,9 +113,9 @@ def test_fused_kernels_match_the_reference(residual, stream_dtype):
     x = torch.randn(3, 37, n, c, generator=generator).to(DEVICE, stream_dtype)
     weight = torch.randn(c, generator=generator).to(DEVICE)
     grad = torch.randn(x.shape, generator=generator).to(DEVICE, stream_dtype)
-    assert fused_connections.supported(module, x)
+    assert fused.supported(module, x)
     results = []
-    for forward in (module, lambda x, branch: fused_connections.connection_forward(module, x, branch)):
+    for forward in (module, lambda x, branch: fused.connection_forward(module, x, branch)):
         inputs = [x.detach().requires_grad_(), weight.detach().requires_grad_(), *module.parameters()]
         out = forward(inputs[0], half_branch_with_weight(inputs[1]))
         results.append((out, torch.autograd.grad(out, inputs, grad)))

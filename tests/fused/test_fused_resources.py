@@ -1,11 +1,10 @@
 """The fused connection kernels compile for sm_80 and sm_90 without a GPU, with the argument types,
-alignment and constexprs the model launches them with (scripts/kernel_resources.py), and the
+alignment and constexprs the model launches them with (python -m fused.resources), and the
 specialisation we compile with is the one triton's JIT builds.
 
 The compilation runs in a subprocess: triton's compiler cannot run where TRITON_INTERPRET=1 was set
-before triton was imported (tests/test_fused_connections.py sets it on CPU)."""
+before triton was imported (tests/conftest.py sets it on CPU)."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -16,14 +15,11 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-import fused_connections  # noqa: E402
-from kernel_launches import connection_launches, jit_specialisation, specialise  # noqa: E402
+from fused import ops  # noqa: E402
+from fused import resources  # noqa: E402
+from fused.launches import connection_launches, jit_specialisation, specialise  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(REPO, "scripts", "kernel_resources.py")
-spec = importlib.util.spec_from_file_location("kernel_resources", SCRIPT)
-kernel_resources = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(kernel_resources)
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SM80_SHARED_PER_CTA = 163 * 1024
 DEFAULT_WIDTH = 768  # the model's width at M; the odd width checks that masked tails compile
@@ -31,7 +27,7 @@ DEFAULT_WIDTH = 768  # the model's width at M; the odd width checks that masked 
 
 def jit_of(name):
     """A JITFunction of the kernel's Python function, also when the kernels are interpreted here."""
-    return triton.runtime.jit.JITFunction(fused_connections.kernel(name).fn)
+    return triton.runtime.jit.JITFunction(ops.kernel(name).fn)
 
 
 def jit_binder_specialisation(kernel, args, kwargs):
@@ -72,36 +68,36 @@ def test_specialisation_is_the_jits():
 
 
 def test_resident_ctas_per_sm():
-    assert kernel_resources.ctas_per_sm(32, 0, 4, 80) == 16  # threads: 2048 / 128
-    assert kernel_resources.ctas_per_sm(255, 0, 4, 80) == 2  # 8192 registers a warp, two warps a quarter
-    assert kernel_resources.ctas_per_sm(78, 48 * 1024, 4, 80) == 3  # shared memory: 164 KB / 49 KB
-    assert kernel_resources.ctas_per_sm(78, 48 * 1024, 4, 90) == 4  # 228 KB / 49 KB
-    assert kernel_resources.ctas_per_sm(32, 164 * 1024, 4, 80) == 0  # more than a CTA may have
-    assert kernel_resources.ctas_per_sm(16, 0, 1, 90) == 32  # the CTA limit
+    assert resources.ctas_per_sm(32, 0, 4, 80) == 16  # threads: 2048 / 128
+    assert resources.ctas_per_sm(255, 0, 4, 80) == 2  # 8192 registers a warp, two warps a quarter
+    assert resources.ctas_per_sm(78, 48 * 1024, 4, 80) == 3  # shared memory: 164 KB / 49 KB
+    assert resources.ctas_per_sm(78, 48 * 1024, 4, 90) == 4  # 228 KB / 49 KB
+    assert resources.ctas_per_sm(32, 164 * 1024, 4, 80) == 0  # more than a CTA may have
+    assert resources.ctas_per_sm(16, 0, 1, 90) == 32  # the CTA limit
 
 
 @pytest.mark.slow
 def test_every_launched_kernel_compiles_for_sm80_and_sm90(tmp_path):
-    reason = kernel_resources.missing_tool()
+    reason = resources.missing_tool()
     if reason:
         pytest.skip(reason)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")  # compile for real, not from an earlier run
     out = tmp_path / "resources.json"
-    proc = subprocess.run([sys.executable, SCRIPT, "--json", str(out), "--jobs", "2"], cwd=REPO, env=env,
+    proc = subprocess.run([sys.executable, "-m", "fused.resources", "--json", str(out), "--jobs", "2"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = json.loads(out.read_text())["records"]
 
     expected = [(residual, width, stream_dtype, "bfloat16" if autocast else "off", launch.kernel)
-                for residual in kernel_resources.RESIDUALS for width in kernel_resources.WIDTHS
-                for stream_dtype in kernel_resources.STREAM_DTYPES for autocast in (True, False)
+                for residual in resources.RESIDUALS for width in resources.WIDTHS
+                for stream_dtype in resources.STREAM_DTYPES for autocast in (True, False)
                 for launch in connection_launches(residual, stream_dtype, autocast, width, 2, 16, "cpu", run=False)]
     assert [(r["residual"], r["width"], r["stream_dtype"], r["autocast"], r["kernel"]) for r in records] == expected
-    assert DEFAULT_WIDTH in kernel_resources.WIDTHS and any(w % 16 for w in kernel_resources.WIDTHS)
+    assert DEFAULT_WIDTH in resources.WIDTHS and any(w % 16 for w in resources.WIDTHS)
     for r in records:
         name = f"{r['kernel']} {r['residual']} {r['stream_dtype']} streams, autocast {r['autocast']}, C={r['width']}"
-        for cc in kernel_resources.CCS:
+        for cc in resources.CCS:
             res = r[f"sm_{cc}"]
             assert "error" not in res, f"{name}, sm_{cc}: {res.get('error')}"
             assert res["shared_bytes"] <= SM80_SHARED_PER_CTA, f"{name}, sm_{cc}: {res['shared_bytes']} B shared"

@@ -1,8 +1,6 @@
-"""Which code runs the connections: fused_connections.unsupported_reason, and the path train.py and
+"""Which code runs the connections: fused.unsupported_reason, and the path train.py and
 bench.py report, checked against the path the forward takes (a spy on connection_forward).
-
-The fused path runs on CPU only in Triton's interpreter, which triton reads when it is imported:
-set here, while pytest collects this module, as tests/test_fused_connections.py does."""
+The fused path runs on CPU only in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET)."""
 
 import json
 import os
@@ -10,55 +8,51 @@ import os
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+import bench
+import fused
+import train
+from model import GPT, GPTConfig, connection_path_line
+from residuals import RESIDUALS, Residual
 
-import bench  # noqa: E402
-import fused_connections  # noqa: E402
-import train  # noqa: E402
-from model import GPT, GPTConfig, connection_path_line  # noqa: E402
-from residuals import RESIDUALS, Residual  # noqa: E402
-
-needs_triton = pytest.mark.skipif(not fused_connections.TRITON_AVAILABLE, reason="triton is not installed")
+needs_triton = pytest.mark.skipif(not fused.TRITON_AVAILABLE, reason="triton is not installed")
 CPU = torch.device("cpu")
 
 
 def test_unsupported_reason_names_each_failing_check(monkeypatch):
     """A reason (a non-empty string) for every check that fails, None when the kernels can run."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(fused_connections, "TRITON_AVAILABLE", True)
-    monkeypatch.setattr(fused_connections, "INTERPRET_ON_CPU", True)
-    monkeypatch.setattr(fused_connections, "KERNEL_N_STREAMS", 4, raising=False)
+    monkeypatch.setattr(fused, "TRITON_AVAILABLE", True)
+    monkeypatch.setattr(fused, "INTERPRET_ON_CPU", True)
     width, n = 8, 4
     module = RESIDUALS["mhclite"](width, n, 0)
     x = torch.zeros(1, 3, n, width)
-    reason = fused_connections.unsupported_reason
+    reason = fused.unsupported_reason
     assert reason(module, x) is None and reason(module, x.bfloat16()) is None
-    assert fused_connections.supported(module, x)
+    assert fused.supported(module, x)
     failing = [(Residual(width, 1, 0), x[:, :, :1]), (module, x.half()), (module, x[..., :4]), (module, x.to("meta")),
                (RESIDUALS["hc"](width, 2, 0), torch.zeros(1, 3, 2, width))]  # n = 2: the kernels are for n = 4
-    monkeypatch.setattr(fused_connections, "INTERPRET_ON_CPU", False)
+    monkeypatch.setattr(fused, "INTERPRET_ON_CPU", False)
     failing.append((module, x))
     for args in failing:
         assert isinstance(reason(*args), str) and reason(*args), args
-        assert not fused_connections.supported(*args)
-    monkeypatch.setattr(fused_connections, "INTERPRET_ON_CPU", True)
-    monkeypatch.setattr(fused_connections, "TRITON_AVAILABLE", False)
+        assert not fused.supported(*args)
+    monkeypatch.setattr(fused, "INTERPRET_ON_CPU", True)
+    monkeypatch.setattr(fused, "TRITON_AVAILABLE", False)
     assert "triton" in reason(module, x)
 
 
 TINY = dict(block_size=8, vocab_size=32, n_layer=1, n_head=2, n_embd=16)
 
 
-@pytest.mark.parametrize("fused, residual", [(False, "mhclite"), (True, "res"), (True, "mhc")])
-def test_connection_path_line(fused, residual):
-    model = GPT(GPTConfig(**TINY, residual=residual, fused_connections=fused))
+@pytest.mark.parametrize("fused_on, residual", [(False, "mhclite"), (True, "res"), (True, "mhc")])
+def test_connection_path_line(fused_on, residual):
+    model = GPT(GPTConfig(**TINY, residual=residual, fused_connections=fused_on))
     line = connection_path_line(residual, model.connection_path(CPU))
-    if not fused:
+    if not fused_on:
         assert line == f"connections: {residual} reference (fused_connections=False)"
     else:  # CPU without the interpreter (INTERPRET_ON_CPU is off): the reference path
         x = torch.empty(0, 1, model.config.n_streams, 16)
-        reason = fused_connections.unsupported_reason(model.connections()[0], x)
+        reason = fused.unsupported_reason(model.connections()[0], x)
         assert reason and line == f"connections: {residual} reference (fused_connections=True but: {reason})"
 
 
@@ -66,13 +60,13 @@ def test_connection_path_line(fused, residual):
 def spy(monkeypatch):
     """Counts the connections that took the fused path."""
     calls = []
-    forward = fused_connections.connection_forward
+    forward = fused.connection_forward
 
     def counting(module, x, branch):
         calls.append(module)
         return forward(module, x, branch)
 
-    monkeypatch.setattr(fused_connections, "connection_forward", counting)
+    monkeypatch.setattr(fused, "connection_forward", counting)
     return calls
 
 
@@ -88,8 +82,7 @@ CASES = {  # INTERPRET_ON_CPU, stream_dtype, n_streams: the expected path on CPU
 @pytest.mark.parametrize("case", list(CASES))
 def test_train_reports_the_path_that_ran(case, data_dir, tmp_path, monkeypatch, capsys, spy, one_thread):
     interpret, stream_dtype, n_streams, expected = CASES[case]
-    monkeypatch.setattr(fused_connections, "INTERPRET_ON_CPU", interpret)
-    monkeypatch.setattr(fused_connections, "KERNEL_N_STREAMS", 4, raising=False)
+    monkeypatch.setattr(fused, "INTERPRET_ON_CPU", interpret)
     out = tmp_path / "run"
     settings = dict(dataset="toy", data_dir=data_dir, out_dir=out, size="tiny", residual="mhclite", n_layer=1,
                     n_head=2, n_embd=16, block_size=8, batch_size=2, gradient_accumulation_steps=1, max_iters=1,
@@ -112,7 +105,7 @@ def test_bench_records_the_path_that_ran_per_variant(interpret, tmp_path, monkey
     TRITON_INTERPRET=1 (it turns INTERPRET_ON_CPU on), and takes residuals.py without it."""
     if interpret and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton's interpreter is off here (a CUDA machine)")
-    monkeypatch.setattr(fused_connections, "INTERPRET_ON_CPU", False)  # restored after the test
+    monkeypatch.setattr(fused, "INTERPRET_ON_CPU", False)  # restored after the test
     if not interpret:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     out = tmp_path / "bench.json"
@@ -123,5 +116,5 @@ def test_bench_records_the_path_that_ran_per_variant(interpret, tmp_path, monkey
     paths = {name: row["connections"]["path"] for name, row in result["variants"].items()}
     assert paths == {"res": "reference", "mhclite": "fused" if interpret else "reference"}
     assert result["micro"]["connections"]["mhclite"]["connections"]["path"] == paths["mhclite"]
-    assert (len(spy) > 0) == interpret and fused_connections.INTERPRET_ON_CPU == interpret
+    assert (len(spy) > 0) == interpret and fused.INTERPRET_ON_CPU == interpret
     assert bench.connections_line(result["variants"]) in capsys.readouterr().out

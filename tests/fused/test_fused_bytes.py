@@ -1,27 +1,22 @@
-"""The byte counter (scripts/count_bytes.py) and the fused path's budget: per token and connection,
-forward + backward, at most 7 nCs + 16 C bytes (n = 4, C = 768) for every variant and stream dtype.
-
-The kernels run in Triton's interpreter on CPU, so TRITON_INTERPRET is set while pytest collects this
-module, before anything imports triton (fused_connections imports it at its first launch)."""
+"""The byte counter (python -m fused.count_bytes) and the fused path's budget: per token and
+connection, forward + backward, at most 7 nCs + 16 C bytes (n = 4, C = 768) for every variant and
+stream dtype. The kernels run in Triton's interpreter on CPU (tests/conftest.py sets TRITON_INTERPRET)."""
 
 import json
 import os
-import sys
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("the byte counter needs Triton's interpreter (TRITON_INTERPRET=1)", allow_module_level=True)
 
 import triton.language as tl  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-
-import count_bytes  # noqa: E402
+import fused  # noqa: E402
+from fused import bench_kernels, count_bytes, ops  # noqa: E402
+from residuals import RESIDUALS  # noqa: E402
 
 
 @triton.jit
@@ -91,7 +86,32 @@ def test_cli_writes_the_json_schema(tmp_path, capsys, monkeypatch, counts):
     count_bytes.main(["--json", str(path), "--residuals", "mhclite", "--stream_dtypes", "bfloat16"])
     data = json.loads(path.read_text())
     assert list(data) == ["mhclite"] and list(data["mhclite"]) == ["bfloat16"]
-    assert set(data["mhclite"]["bfloat16"]) == {"kernels", "torch", "forward", "backward", "total"}
+    assert set(data["mhclite"]["bfloat16"]) == {"kernels", "torch", "forward", "backward", "total", "partials_at_m"}
     assert "| mhclite | bfloat16 |" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         count_bytes.main(["--residuals", "res"])
+
+
+def test_the_kernel_bytes_file_the_gpu_check_carries_is_a_fresh_count(counts):
+    """fused/kernel_bytes.json (python -m fused.count_bytes --json fused/kernel_bytes.json) is what
+    python -m fused.bench_kernels reads on the GPU machine, where the interpreter never runs."""
+    carried = bench_kernels.read_kernel_bytes(bench_kernels.KERNEL_BYTES)
+    assert set(carried) == set(counts)
+    for residual, per_dtype in counts.items():
+        for dtype, entry in per_dtype.items():
+            assert carried[residual][dtype]["kernels"] == pytest.approx(entry["kernels"]), (residual, dtype)
+            for key in ("total", "partials_at_m"):
+                assert carried[residual][dtype][key] == pytest.approx(entry[key]), (residual, dtype, key)
+
+
+@pytest.mark.parametrize("residual", count_bytes.VARIANTS)
+def test_grad_weight_partials_are_written_re_read_and_summed_once(counts, residual):
+    """Each backward program writes its partials of grad W, grad scale and grad bias once (no zero
+    fill), re-reads its grad-W partial once for its later token blocks, and the sum reads them once:
+    at M's tokens per micro-step that is partials_at_m."""
+    module = RESIDUALS[residual](count_bytes.WIDTH, count_bytes.N_STREAMS, 1)
+    _, weight, scale, bias, _, _ = fused.packed_parameters(module)
+    programs = min(ops.WEIGHT_GRAD_PROGRAMS, count_bytes.M_TOKENS // ops.BLOCK_TOKENS)
+    one_program = 3 * weight.numel() * 4 + 2 * (scale.numel() + bias.numel()) * 4
+    for stream_dtype in count_bytes.STREAM_DTYPES:
+        assert counts[residual][stream_dtype]["partials_at_m"] == programs * one_program / count_bytes.M_TOKENS

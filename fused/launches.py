@@ -1,14 +1,13 @@
 """The fused connection kernels' launches, captured from one forward + backward of a connection.
 
-fused_connections.py sends every kernel launch through `_launch(name, grid, device, *args,
-**constexprs)`. `recorded_launches` wraps it for the length of a `with` block and keeps each launch
-with its arguments, so that
+`recorded_launches` installs an ops.launch_hook for the length of a `with` block and keeps each
+launch with its arguments, so that
 
-  - scripts/kernel_resources.py compiles each kernel for a GPU without one, with the argument
+  - fused/resources.py compiles each kernel for a GPU without one, with the argument
     types, alignment and constexprs the model launches it with (recorded without running: no
     Triton interpreter needed, and the outputs stay uninitialised; jit_specialisation turns a
     launch into what triton's JIT would compile), and
-  - bench.py --kernels times each launch replayed alone (recorded while running).
+  - fused/bench_kernels.py times each launch replayed alone (recorded while running).
 
 `connection_launches` builds a connection as model.py does and runs it the way a training step
 does: the branch is a bias-free Linear like the sublayers' c_proj (bf16 output under bf16 autocast),
@@ -20,14 +19,15 @@ from dataclasses import dataclass
 
 import torch
 
-import fused_connections
 from model import STREAM_DTYPES, GPTConfig, connection_options
 from residuals import RESIDUALS
+
+from . import connection_forward, ops
 
 
 @dataclass
 class Launch:
-    kernel: str  # a name fused_connections.kernel() knows
+    kernel: str  # a name ops.kernel() knows
     phase: str  # "forward" or "backward"
     grid: tuple
     device: torch.device
@@ -35,7 +35,7 @@ class Launch:
     constexprs: dict  # keyword arguments: constexprs and launch options such as num_warps
 
     def replay(self):
-        fused_connections._launch(self.kernel, self.grid, self.device, *self.args, **self.constexprs)
+        ops.launch(self.kernel, self.grid, self.device, *self.args, **self.constexprs)
 
 
 class LaunchRecorder:
@@ -49,23 +49,16 @@ def recorded_launches(run=True):
     """Yields a LaunchRecorder whose `launches` fill up with every kernel launch made inside the
     block, tagged with the recorder's current `phase`. run=False records without launching; then
     the ops choose their device-dependent constexprs as for CUDA whatever the tensors' device
-    (fused_connections._dot_operands picks the interpreter's stand-in on CPU)."""
+    (ops._dot_operands picks the interpreter's stand-in on CPU otherwise)."""
     recorder = LaunchRecorder()
-    launch, dot_operands = fused_connections._launch, fused_connections._dot_operands
 
-    def recording_launch(name, grid, device, *args, **constexprs):
-        recorder.launches.append(Launch(name, recorder.phase, tuple(grid), device, args, constexprs))
+    def record(name, grid, device, args, constexprs, launch):
+        recorder.launches.append(Launch(name, recorder.phase, grid, device, args, constexprs))
         if run:
-            launch(name, grid, device, *args, **constexprs)
+            launch()
 
-    fused_connections._launch = recording_launch
-    if not run:
-        fused_connections._dot_operands = lambda bf16_operands, device: dot_operands(bf16_operands,
-                                                                                     torch.device("cuda"))
-    try:
+    with ops.launch_hook(record, operands_for_cuda=not run):
         yield recorder
-    finally:
-        fused_connections._launch, fused_connections._dot_operands = launch, dot_operands
 
 
 def connection_launches(residual, stream_dtype, autocast, width, batch, time, device, run=True, n_streams=4, seed=0):
@@ -87,7 +80,7 @@ def connection_launches(residual, stream_dtype, autocast, width, batch, time, de
     grad = torch.randn(shape, generator=generator).to(device, STREAM_DTYPES[stream_dtype])
     with recorded_launches(run) as recorder:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            out = fused_connections.connection_forward(module, x, branch)
+            out = connection_forward(module, x, branch)
         recorder.phase = "backward"
         out.backward(grad)
     return recorder.launches

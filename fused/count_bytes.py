@@ -1,10 +1,10 @@
-"""Bytes per token per connection of the fused path (fused_connections.py), counted on CPU.
+"""Bytes per token per connection of the fused path, counted on CPU in Triton's interpreter.
 
-    python scripts/count_bytes.py [--json PATH] [--residuals hc,mhc,mhclite] [--stream_dtypes float32,bfloat16]
+    python -m fused.count_bytes [--json PATH] [--residuals hc,mhc,mhclite] [--stream_dtypes float32,bfloat16]
 
 Runs forward and backward of `connection_forward` at n = 4, C = 768 under bf16 autocast with a
 bf16 branch output (as the model runs), with every kernel in Triton's interpreter, and counts:
-  - per kernel launch (through fused_connections._launch), the bytes its loads and its stores
+  - per kernel launch (seen through ops.launch_hook), the bytes its loads and its stores
     move, each address once per launch and direction (a read and a write of one address count both);
   - every aten op that runs outside the kernels (the connection's own torch code, inside the custom
     ops too), its inputs plus its outputs, leaving out views, metadata ops and allocations. The
@@ -12,7 +12,10 @@ bf16 branch output (as the model runs), with every kernel in Triton's interprete
 The per-token figure is the slope between two token counts, so weight-sized traffic (the projection
 weight read by every program, the grad-weight partials and their sum) does not count per token.
 Prints a markdown table; --json writes
-{residual: {stream_dtype: {"kernels": {name: bytes}, "torch": b, "forward": b, "backward": b, "total": b}}}.
+{residual: {stream_dtype: {"kernels": {name: bytes}, "torch": b, "forward": b, "backward": b, "total": b,
+"partials_at_m": b}}}. The grad-W partials (weight-sized, so not in the slope) are counted apart: one
+program's partials are the difference between two programs and one on the same tokens; times the
+model's programs over M's 16,384 tokens per micro-step, they are bytes per token at M.
 """
 
 import argparse
@@ -20,24 +23,26 @@ import collections
 import contextlib
 import json
 import os
-import sys
 
-# Triton reads TRITON_INTERPRET when it is imported, which fused_connections does at its first launch.
+# Triton reads TRITON_INTERPRET when it is imported, which the ops do at their first launch.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import fused_connections  # noqa: E402
+import fused  # noqa: E402
+from fused import ops  # noqa: E402
+from fused.interpreter import version_problem  # noqa: E402
 from residuals import RESIDUALS  # noqa: E402
 
 VARIANTS = ("hc", "mhc", "mhclite")
 STREAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 N_STREAMS, WIDTH = 4, 768
-TOKEN_COUNTS = (16, 32)  # one and two blocks of BLOCK_TOKENS tokens
+# Two and three blocks of BLOCK_TOKENS tokens: the one backward program re-reads its grad-W partial at both.
+TOKEN_COUNTS = (32, 48)
+M_TOKENS = 16 * 1024  # tokens per micro-step at M (16 x 1024), for the grad-W partials per token
+PARTIAL_TOKENS = 64  # four blocks: with one or two programs, each has a later block that adds to its partial
 ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
 FILLS = {"new_zeros", "new_ones", "new_full", "zeros", "ones", "full", "zeros_like", "ones_like", "full_like"}
 
@@ -77,27 +82,27 @@ class KernelBytes:
     @contextlib.contextmanager
     def patched(self):
         """Counting on: loads and stores of the interpreter (create_load and create_store go through
-        the masked ones), launches through fused_connections._launch; atomics refused."""
+        the masked ones), launches through ops.launch_hook; atomics refused."""
         from triton.runtime.interpreter import InterpreterBuilder
         counter = self
         masked_load, masked_store = InterpreterBuilder.create_masked_load, InterpreterBuilder.create_masked_store
-        launch = fused_connections._launch
 
-        def create_masked_load(self, ptrs, mask, other, cache_policy, is_volatile):
+        # The trailing cache and eviction arguments differ between triton versions: passed on as they come.
+        def create_masked_load(self, ptrs, mask, *rest):
             counter._record("read", ptrs, mask)
-            return masked_load(self, ptrs, mask, other, cache_policy, is_volatile)
+            return masked_load(self, ptrs, mask, *rest)
 
-        def create_masked_store(self, ptrs, value, mask, cache_policy):
+        def create_masked_store(self, ptrs, value, mask, *rest):
             counter._record("write", ptrs, mask)
-            return masked_store(self, ptrs, value, mask, cache_policy)
+            return masked_store(self, ptrs, value, mask, *rest)
 
         def refuse_atomic(self, *args, **kwargs):
             raise RuntimeError("count_bytes does not count atomics")
 
-        def counted_launch(kernel_name, grid, device, *args, **constexprs):
+        def counted_launch(kernel_name, grid, device, args, constexprs, launch):
             # The interpreter's own torch ops (copying arguments to the host and back) are not the connection's.
             with counter.launch(kernel_name), _disable_current_modes():
-                launch(kernel_name, grid, device, *args, **constexprs)
+                launch()
 
         patches = {"create_masked_load": create_masked_load, "create_masked_store": create_masked_store,
                    "create_atomic_rmw": refuse_atomic, "create_atomic_cas": refuse_atomic}
@@ -105,12 +110,11 @@ class KernelBytes:
         try:
             for name, fn in patches.items():
                 setattr(InterpreterBuilder, name, fn)
-            fused_connections._launch = counted_launch
-            yield self
+            with ops.launch_hook(counted_launch):
+                yield self
         finally:
             for name, fn in saved.items():
                 setattr(InterpreterBuilder, name, fn)
-            fused_connections._launch = launch
 
 
 def tensor_bytes(t):
@@ -179,7 +183,7 @@ def count_connection(residual, stream_dtype, tokens, n=N_STREAMS, width=WIDTH):
             with TorchBytes() as torch_bytes:
                 if phase == "forward":
                     with torch.autocast("cpu", dtype=torch.bfloat16):
-                        out = fused_connections.connection_forward(module, x, StandInBranch.apply)
+                        out = fused.connection_forward(module, x, StandInBranch.apply)
                 else:
                     torch.autograd.grad(out, [x, *module.parameters()], grad)
             phases[phase] = {"kernels": kernels.bytes, "torch": torch_bytes.bytes}
@@ -187,19 +191,41 @@ def count_connection(residual, stream_dtype, tokens, n=N_STREAMS, width=WIDTH):
 
 
 @contextlib.contextmanager
-def counting_setup():
-    """The interpreter for CPU tensors; one backward program, so that the partials of grad W have the
-    same size at both token counts (how many there are does not change bytes per token); wide
-    channel blocks, for fewer interpreted loop trips (each address counts once whatever the tiles)."""
-    names = ("INTERPRET_ON_CPU", "WEIGHT_GRAD_PROGRAMS", "BLOCK_CHANNELS")
-    saved = [getattr(fused_connections, name) for name in names]
-    for name, value in zip(names, (True, 1, 256)):
-        setattr(fused_connections, name, value)
+def counting_setup(programs=1):
+    """The interpreter for CPU tensors; `programs` backward programs (one: the partials of grad W have
+    the same size at both token counts, and how many there are does not change bytes per token); one
+    channel block over all of C, for the fewest interpreted loop trips (each address counts once
+    whatever the tiles)."""
+    settings = [(fused, "INTERPRET_ON_CPU", True), (ops, "WEIGHT_GRAD_PROGRAMS", programs),
+                (ops, "BLOCK_CHANNELS", 1 << (WIDTH - 1).bit_length())]
+    saved = [getattr(module, name) for module, name, _ in settings]
+    for module, name, value in settings:
+        setattr(module, name, value)
     try:
         yield
     finally:
-        for name, value in zip(names, saved):
-            setattr(fused_connections, name, value)
+        for (module, name, _), value in zip(settings, saved):
+            setattr(module, name, value)
+
+
+def phase_bytes(counted):
+    return sum(counted["kernels"].values()) + counted["torch"]
+
+
+def partial_bytes(residual, stream_dtype):
+    """Bytes one backward program's partials (grad W, grad scale, grad bias) move: the backward of
+    PARTIAL_TOKENS tokens with two programs minus with one."""
+    counts = {}
+    for programs in (1, 2):
+        with counting_setup(programs):
+            counts[programs] = phase_bytes(count_connection(residual, stream_dtype, PARTIAL_TOKENS)["backward"])
+    return counts[2] - counts[1]
+
+
+def partials_per_token_at_m(residual, stream_dtype):
+    """Bytes per token of the partials at M's tokens per micro-step, with the model's programs."""
+    programs = min(ops.WEIGHT_GRAD_PROGRAMS, M_TOKENS // ops.BLOCK_TOKENS)
+    return programs * partial_bytes(residual, stream_dtype) / M_TOKENS
 
 
 def bytes_per_token(residual, stream_dtype):
@@ -220,8 +246,15 @@ def bytes_per_token(residual, stream_dtype):
 
 
 def count_all(residuals=VARIANTS, stream_dtypes=tuple(STREAM_DTYPES)):
-    return {residual: {name: bytes_per_token(residual, STREAM_DTYPES[name]) for name in stream_dtypes}
-            for residual in residuals}
+    """{residual: {stream dtype: entry}}; each entry also has partials_at_m, the grad-W partials per
+    token at M (weight-sized, so outside the slopes; fp32 whatever the streams, so counted once per
+    variant, with fp32 streams)."""
+    counts = {}
+    for residual in residuals:
+        partials = partials_per_token_at_m(residual, torch.float32)
+        counts[residual] = {name: dict(bytes_per_token(residual, STREAM_DTYPES[name]), partials_at_m=partials)
+                            for name in stream_dtypes}
+    return counts
 
 
 def markdown(counts):
@@ -229,13 +262,13 @@ def markdown(counts):
     kernel_names = list(dict.fromkeys(k for per_dtype in counts.values() for e in per_dtype.values()
                                       for k in e["kernels"]))  # in launch order
     header = ["residual", "streams", "forward KB", "backward KB", "total KB", "floor KB",
-              *[f"{k} KB" for k in kernel_names], "torch KB"]
+              *[f"{k} KB" for k in kernel_names], "torch KB", "grad-W partials at M KB"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for residual, per_dtype in counts.items():
         for dtype_name, e in per_dtype.items():
             row = [residual, dtype_name, kb(e["forward"]), kb(e["backward"]), kb(e["total"]),
                    kb(budget(STREAM_DTYPES[dtype_name])), *[kb(e["kernels"].get(k, 0)) for k in kernel_names],
-                   kb(e["torch"])]
+                   kb(e["torch"]), kb(e["partials_at_m"])]
             lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -258,6 +291,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") != "1":
         parser.error("needs TRITON_INTERPRET=1 (unset, or set to 1)")
+    import triton
+    problem = version_problem(triton.__version__)
+    if problem:
+        parser.error(problem)
     counts = count_all(args.residuals, args.stream_dtypes)
     print(f"Bytes per token per connection, n = {N_STREAMS}, C = {WIDTH}, bf16 autocast, bf16 branch output "
           f"(1 KB = 1000 bytes; floor 7 nCs + 16 C):\n")

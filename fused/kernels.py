@@ -1,4 +1,4 @@
-"""Triton kernels of the fused HC-family connections (n = 4 streams); fused_connections.py launches them.
+"""Triton kernels of the fused HC-family connections (n = 4 streams); ops.py launches them.
 
 One connection, per token (x: n streams of width C, s bytes per stream element, s_y per branch
 output element; VARIANT is "hc", "mhc" or "mhclite"):
@@ -51,6 +51,13 @@ def dot_accumulate(a, b, acc, OPERANDS: tl.constexpr):
     else:
         out = tl.dot(a, b, acc, input_precision="ieee")
     return out
+
+
+@triton.jit
+def later_block(ok, block, program):
+    """ok where `block` is not `program`'s first: its first block writes the grad-W partial, later
+    ones load it and add (block-shaped, as the interpreter wants a mask)."""
+    return ok & ((ok.to(tl.int32) * 0 + block) != program)
 
 
 @triton.jit
@@ -119,7 +126,7 @@ def sinkhorn_backward(logits, grad_h, ITERS: tl.constexpr):
     """grad logits of h = exp(sinkhorn_steps(logits, ITERS)). The iterations are recomputed from
     four checkpoints kept in registers (iterations 0, S, 2S, 3S with S = ITERS // 4), so each
     backward step recomputes fewer than S + 3 of them: nothing per iteration is stored."""
-    SEGMENT: tl.constexpr = ITERS // 4  # ITERS >= 4 (fused_connections.unsupported_reason)
+    SEGMENT: tl.constexpr = ITERS // 4  # ITERS >= 4 (fused.unsupported_reason)
     start1 = sinkhorn_steps(logits, SEGMENT)
     start2 = sinkhorn_steps(start1, SEGMENT)
     start3 = sinkhorn_steps(start2, SEGMENT)
@@ -197,8 +204,8 @@ def pre_kernel(x_ptr, weight_ptr, scale_ptr, bias_ptr, perm_ptr, u_ptr, h_pre_pt
                z_ptr, rms_inv_ptr, T, C, eps, VARIANT: tl.constexpr, RES: tl.constexpr, ITERS: tl.constexpr,
                OPERANDS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, RES_BLOCK: tl.constexpr):
     """BLOCK_T tokens: projection and RMS factor from one read of x, the coefficients in registers,
-    then u from a re-read of the same tile (L2). Bytes per token: reads x (nCs); writes u (4C), the
-    coefficients (4 (2n + n^2)), z and rms_inv (4 (2n + RES + 1); hc 4n (n + 3))."""
+    then u from a re-read of the same tile (L2).
+    Per token: reads x (nCs); writes u (4C), the coefficients, z and rms_inv (O(n^2) floats)."""
     token = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     token_ok = token < T
     stream = tl.arange(0, STREAMS)
@@ -277,8 +284,8 @@ def pre_kernel(x_ptr, weight_ptr, scale_ptr, bias_ptr, perm_ptr, u_ptr, h_pre_pt
 
 @triton.jit
 def post_kernel(x_ptr, h_post_ptr, h_res_ptr, y_ptr, out_ptr, T, C, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """x_next[i] = sum_j h_res[i, j] x[j] + h_post[i] y, in fp32, stored in out's dtype. Bytes per
-    token: reads x (nCs), y (s_y C) and the coefficients (4 (n + n^2)); writes x_next (nCs)."""
+    """x_next[i] = sum_j h_res[i, j] x[j] + h_post[i] y, in fp32, stored in out's dtype.
+    Per token: reads x (nCs), y (s_y C) and h_post, h_res (O(n^2) floats); writes x_next (nCs)."""
     token = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     token_ok = token < T
     channel = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -305,7 +312,8 @@ def post_kernel(x_ptr, h_post_ptr, h_res_ptr, y_ptr, out_ptr, T, C, BLOCK_T: tl.
 def post_backward_kernel(grad_ptr, h_post_ptr, y_ptr, grad_y_ptr, grad_h_post_ptr, T, C,
                          BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     """Before the branch's backward: grad y = sum_i h_post[i] g[i] (in y's dtype) and
-    grad h_post[i] = <g[i], y>. Bytes per token: reads g (nCs) and y (s_y C); writes grad y (s_y C)."""
+    grad h_post[i] = <g[i], y>.
+    Per token: reads g (nCs), y (s_y C) and h_post (n floats); writes grad y (s_y C) and grad h_post (n floats)."""
     token = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     token_ok = token < T
     stream = tl.arange(0, STREAMS)
@@ -372,10 +380,10 @@ def pre_backward_kernel(x_ptr, grad_ptr, grad_u_ptr, grad_h_post_ptr, weight_ptr
     """After the branch's backward. Each program takes every num_programs-th block of BLOCK_T
     tokens: recomputes the coefficients from z and rms_inv, reduces the mixing's coefficient grads
     over the channels, runs the coefficient math backward in registers, then writes grad x once
-    (mixing + projection + RMS terms) from a re-read of the tile, and adds grad_z^T x into its own
-    weight-sized slice of grad_weight (partials, summed by the caller), and its scale and bias
-    grads into its slice of grad_scale and grad_bias. Bytes per token: reads x and g (2 nCs),
-    grad u (4C), grad h_post, z and rms_inv (O(n^2) floats); writes grad x (nCs)."""
+    (mixing + projection + RMS terms) from a re-read of the tile, and accumulates grad_z^T x in its
+    own weight-sized slice of grad_weight (its first block writes the slice, later ones add; the
+    caller sums the slices), and its scale and bias grads in its slices of grad_scale and grad_bias.
+    Per token: reads x and g (2 nCs), grad u (4C) and O(n^2) floats; writes grad x (nCs)."""
     program = tl.program_id(0)
     stream = tl.arange(0, STREAMS)
     if VARIANT == "hc":
@@ -423,7 +431,7 @@ def pre_backward_kernel(x_ptr, grad_ptr, grad_u_ptr, grad_h_post_ptr, weight_ptr
                 tl.store(grad_x_ptr + tile, grad_rows.to(grad_x_ptr.dtype.element_ty), mask=tile_ok)
                 slice_ptr = partial + k[:, None] * C + channel[None, :]
                 slice_ok = k_ok[:, None] & channel_ok[None, :]
-                acc = tl.load(slice_ptr, mask=slice_ok, other=0.0)
+                acc = tl.load(slice_ptr, mask=later_block(slice_ok, block, program), other=0.0)
                 tl.store(slice_ptr, dot_accumulate(tl.trans(grad_z), rows, acc, OPERANDS), mask=slice_ok)
         tl.store(grad_scale_ptr + program * (STREAMS + 2) + k, grad_scale, mask=k_ok)
         tl.store(grad_bias_ptr + program * STREAMS * (STREAMS + 2) + stream[:, None] * (STREAMS + 2) + k[None, :],
@@ -500,11 +508,11 @@ def pre_backward_kernel(x_ptr, grad_ptr, grad_u_ptr, grad_h_post_ptr, weight_ptr
                 tl.store(grad_x_ptr + tile, grad_rows.to(grad_x_ptr.dtype.element_ty), mask=tile_ok)
                 pair_slice = partial + pair[:, None] * D + depth[None, :]
                 pair_slice_ok = pair_ok[:, None] & channel_ok[None, :]
-                acc = tl.load(pair_slice, mask=pair_slice_ok, other=0.0)
+                acc = tl.load(pair_slice, mask=later_block(pair_slice_ok, block, program), other=0.0)
                 tl.store(pair_slice, dot_accumulate(tl.trans(grad_z_pair), rows, acc, OPERANDS), mask=pair_slice_ok)
                 res_slice = partial + (2 * STREAMS + res[:, None]) * D + depth[None, :]
                 res_slice_ok = res_ok[:, None] & channel_ok[None, :]
-                acc = tl.load(res_slice, mask=res_slice_ok, other=0.0)
+                acc = tl.load(res_slice, mask=later_block(res_slice_ok, block, program), other=0.0)
                 tl.store(res_slice, dot_accumulate(tl.trans(grad_z_res), rows, acc, OPERANDS), mask=res_slice_ok)
         own = program * LOGITS
         tl.store(grad_scale_ptr + own + pair, grad_scale_pair, mask=pair_ok)

@@ -1,11 +1,8 @@
-"""The fused connection ops (fused_connections.py) against torch formulas and residuals.py.
+"""The fused connection ops (the fused package) against torch formulas and residuals.py.
 
-Without a GPU the Triton kernels run in Triton's interpreter on CPU tensors. Triton reads
-TRITON_INTERPRET when it is imported, and fused_connections imports it only at its first kernel
-launch, so setting the variable here, while pytest collects this module, is early enough even
-though other test modules import model.py (and so fused_connections) before. With a GPU the
-interpreter stays off (it is process-wide and would also run inductor's Triton kernels in the
-other test modules) and the same tests run the compiled kernels on CUDA tensors.
+Without a GPU the Triton kernels run in Triton's interpreter on CPU tensors (tests/conftest.py sets
+TRITON_INTERPRET before triton is imported); with one, the same tests run the compiled kernels on
+CUDA tensors.
 """
 
 import copy
@@ -16,32 +13,34 @@ import sys
 import pytest
 import torch
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
 
-import fused_connections  # noqa: E402
+import fused  # noqa: E402
 from authors import AUTHORS_CONNECTIONS  # noqa: E402
-from fused_connections import (connection_post, connection_post_backward, connection_pre,  # noqa: E402
-                               connection_pre_backward)
+from conftest import randomise  # noqa: E402
+from fused import ops  # noqa: E402
+from fused.ops import (connection_post, connection_post_backward, connection_pre,  # noqa: E402
+                       connection_pre_backward)
 from model import GPT, GPTConfig  # noqa: E402
 from residuals import RESIDUALS, RMS_EPS, Residual, capture_connections, sinkhorn  # noqa: E402
 
-N = fused_connections.STREAMS
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SCALE = 0.3  # of the parameters' moves off their init (conftest.randomise)
+
+N = ops.STREAMS
 
 
 @pytest.fixture(autouse=True)
 def interpret_on_cpu(monkeypatch):
-    monkeypatch.setattr(fused_connections, "INTERPRET_ON_CPU", True)
+    monkeypatch.setattr(fused, "INTERPRET_ON_CPU", True)
 
 
 @pytest.fixture
 def small_blocks(monkeypatch):
     """16-wide channel tiles and two backward programs, so that the test sizes need several programs,
     loop trips, a program with two token blocks and masked tails (tokens and channels)."""
-    monkeypatch.setattr(fused_connections, "BLOCK_CHANNELS", 16)
-    monkeypatch.setattr(fused_connections, "WEIGHT_GRAD_PROGRAMS", 2)
+    monkeypatch.setattr(ops, "BLOCK_CHANNELS", 16)
+    monkeypatch.setattr(ops, "WEIGHT_GRAD_PROGRAMS", 2)
 
 
 def generator(seed):
@@ -60,16 +59,8 @@ def grads_of(outputs, inputs, cotangents):
     return torch.autograd.grad(outputs, inputs, cotangents)
 
 
-def randomise(module, scale=0.3, seed=0):
-    """Every parameter moved off its init, so that every coefficient path matters."""
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=generator(seed)).to(p.device))
-    return module
-
-
 def test_kernels_are_interpreted_on_cpu_and_compiled_on_cuda():
-    kernel = fused_connections.kernel("post_kernel")
+    kernel = ops.kernel("post_kernel")
     if DEVICE == "cpu":
         from triton.runtime.interpreter import InterpretedFunction
         assert isinstance(kernel, InterpretedFunction), "triton was imported before TRITON_INTERPRET=1 was set"
@@ -85,8 +76,8 @@ VARIANTS = ("hc", "mhc", "mhclite")
 
 def packed_parameters(residual, width, seed=0):
     """The packed fp32 (variant, weight, scale, bias, perm_matrices, iters) of a randomised module."""
-    module = randomise(RESIDUALS[residual](width, N, 1), seed=seed).to(DEVICE)
-    return tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in fused_connections._packed_parameters(module))
+    module = randomise(RESIDUALS[residual](width, N, 1), SCALE, seed=seed).to(DEVICE)
+    return tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in fused.packed_parameters(module))
 
 
 def reference_pre(x, weight, scale, bias, perm_matrices, variant, iters, bf16_operands):
@@ -261,13 +252,13 @@ def test_connection_forward_matches_module(residual, mode, small_blocks):
     several token blocks (one backward program with two), masked tails; randomised parameters."""
     stream_dtype, autocast = MODES[mode]
     width = 24
-    module = randomise(RESIDUALS[residual](width, N, 1)).to(DEVICE)
+    module = randomise(RESIDUALS[residual](width, N, 1), SCALE).to(DEVICE)
     branch = Branch(width).to(DEVICE)
     x = randn(2, 19, N, width, seed=1, dtype=stream_dtype)
     cotangent = randn(2, 19, N, width, seed=2, dtype=stream_dtype)
 
-    assert fused_connections.supported(module, x)
-    out, grads = run_connection(fused_connections.connection_forward, module, branch, x, cotangent, autocast)
+    assert fused.supported(module, x)
+    out, grads = run_connection(fused.connection_forward, module, branch, x, cotangent, autocast)
     module_ref, branch_ref = copy.deepcopy(module), copy.deepcopy(branch)
     expected, expected_grads = run_connection(lambda m, x, f: m(x, f), module_ref, branch_ref, x, cotangent, autocast)
 
@@ -300,10 +291,10 @@ def assert_close_normwise(got, want, tol, name):
 @pytest.mark.parametrize("autocast", [False, True])
 def test_mhclite_fused_h_res_is_doubly_stochastic(autocast):
     n, width, scale = N, 16, 100.0
-    module = randomise(RESIDUALS["mhclite"](width, n, 0), scale=scale).to(DEVICE)
+    module = randomise(RESIDUALS["mhclite"](width, n, 0), scale).to(DEVICE)
     x = randn(2, 9, n, width, seed=1, scale=scale)
     with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast), capture_connections(module) as records:
-        fused_connections.connection_forward(module, x, torch.tanh)
+        fused.connection_forward(module, x, torch.tanh)
     h_res = records[0]["h_res"].reshape(-1, n, n).double()
     assert (h_res.sum(-1) - 1).abs().max() < 1e-6
     assert (h_res.sum(-2) - 1).abs().max() < 1e-6
@@ -312,7 +303,7 @@ def test_mhclite_fused_h_res_is_doubly_stochastic(autocast):
 def test_compiled_connection_matches_eager():
     """fullgraph: no graph break; every op one node of the graph."""
     torch._dynamo.reset()
-    module = randomise(RESIDUALS["mhclite"](16, N, 1)).to(DEVICE)
+    module = randomise(RESIDUALS["mhclite"](16, N, 1), SCALE).to(DEVICE)
     branch = Branch(16).to(DEVICE)
     graphs = []
 
@@ -320,11 +311,11 @@ def test_compiled_connection_matches_eager():
         graphs.append(graph_module)
         return torch._dynamo.lookup_backend("aot_eager")(graph_module, example_inputs)
 
-    compiled = torch.compile(fused_connections.connection_forward, fullgraph=True, backend=backend)
+    compiled = torch.compile(fused.connection_forward, fullgraph=True, backend=backend)
     x = randn(2, 3, N, 16, seed=1)
     cotangent = randn(2, 3, N, 16, seed=2)
     out, grads = run_connection(compiled, module, branch, x, cotangent, autocast=False)
-    expected, expected_grads = run_connection(fused_connections.connection_forward, module, branch, x, cotangent,
+    expected, expected_grads = run_connection(fused.connection_forward, module, branch, x, cotangent,
                                               autocast=False)
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     for name in grads:
@@ -341,7 +332,7 @@ def test_model_with_fused_connections_matches_the_reference_path():
     models[1].load_state_dict(models[0].state_dict())
     for model in models:
         for connection in model.connections():
-            randomise(connection)
+            randomise(connection, SCALE)
     idx = torch.randint(0, 32, (2, 8), generator=generator(1)).to(DEVICE)
     losses = [model(idx, idx)[1] for model in models]
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-5)
@@ -360,10 +351,10 @@ def test_supported_only_where_the_kernels_can_run(monkeypatch):
     width = 8
     module = RESIDUALS["mhc"](width, N, 0)
     x = torch.zeros(1, 3, N, width)
-    reason = fused_connections.unsupported_reason
-    assert reason(module, x) is None and fused_connections.supported(module, x)
-    assert fused_connections.supported(RESIDUALS["hc"](width, N, 0), x.bfloat16())
-    assert fused_connections.supported(RESIDUALS["mhclite"](width, N, 0, num_perms=10), x)
+    reason = fused.unsupported_reason
+    assert reason(module, x) is None and fused.supported(module, x)
+    assert fused.supported(RESIDUALS["hc"](width, N, 0), x.bfloat16())
+    assert fused.supported(RESIDUALS["mhclite"](width, N, 0, num_perms=10), x)
     assert "n_streams = 4" in reason(RESIDUALS["mhclite"](width, 2, 0), x[:, :, :2])
     assert "sinkhorn_iters" in reason(RESIDUALS["mhc"](width, N, 0, sinkhorn_iters=3), x)
     assert "HC-family" in reason(Residual(width, 1, 0), x[:, :, :1])
@@ -381,20 +372,20 @@ def test_supported_only_where_the_kernels_can_run(monkeypatch):
     assert "(B, T, n, C)" in reason(module, x[..., :4])  # not this module's width
     assert "CUDA" in reason(module, x.to("meta"))
     monkeypatch.delenv("TRITON_INTERPRET")
-    assert not fused_connections.supported(module, x)
+    assert not fused.supported(module, x)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(fused_connections, "INTERPRET_ON_CPU", False)  # model.py's CPU runs: residuals.py
+    monkeypatch.setattr(fused, "INTERPRET_ON_CPU", False)  # model.py's CPU runs: residuals.py
     assert "CUDA" in reason(module, x)
-    monkeypatch.setattr(fused_connections, "INTERPRET_ON_CPU", True)
-    monkeypatch.setattr(fused_connections, "TRITON_AVAILABLE", False)
+    monkeypatch.setattr(fused, "INTERPRET_ON_CPU", True)
+    monkeypatch.setattr(fused, "TRITON_AVAILABLE", False)
     assert reason(module, x) == "triton is not installed"
 
 
 def test_imports_and_declines_without_triton():
     code = ("import sys; sys.modules['triton'] = None\n"
-            "import torch, fused_connections, residuals\n"
-            "fused_connections.INTERPRET_ON_CPU = True\n"
-            "assert not fused_connections.supported(residuals.HyperConnection(8, 4, 0), torch.zeros(1, 1, 4, 8))\n")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+            "import torch, fused, residuals\n"
+            "fused.INTERPRET_ON_CPU = True\n"
+            "assert not fused.supported(residuals.HyperConnection(8, 4, 0), torch.zeros(1, 1, 4, 8))\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     subprocess.run([sys.executable, "-c", code], cwd=root, check=True, timeout=120,
                    env={**os.environ, "TRITON_INTERPRET": "1"})

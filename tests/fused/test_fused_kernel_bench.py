@@ -1,43 +1,36 @@
-"""bench.py --kernels on CPU, in Triton's interpreter at tiny shapes: every recorded launch is
-replayed alone and reported with the counted bytes. The times are not checked (never a timed test).
-
-Triton reads TRITON_INTERPRET when it is imported: set here, while pytest collects this module, as
-tests/test_fused_connections.py does."""
+"""python -m fused.bench_kernels on CPU, in Triton's interpreter at tiny shapes: every recorded
+launch is replayed alone and reported with the counted bytes. The times are not checked (never a
+timed test)."""
 
 import json
-import os
-import sys
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
 import bench  # noqa: E402
-import fused_connections  # noqa: E402
-from kernel_launches import connection_launches  # noqa: E402
+from conftest import one_error_line  # noqa: E402
+from fused import bench_kernels, ops  # noqa: E402
+from fused.launches import connection_launches  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-FLAGS = ["--kernels", "--size", "tiny", "--device", DEVICE, "--batch_size", "1", "--block_size", "4", "--steps", "1",
+FLAGS = ["--size", "tiny", "--device", DEVICE, "--batch_size", "1", "--block_size", "4", "--steps", "1",
          "--warmup", "0", "--seed", "0"]
 
 
-def test_a_replayed_launch_recomputes_its_outputs(monkeypatch):
+def test_a_replayed_launch_recomputes_its_outputs():
     """Each launch, replayed alone on its arguments as they were right after it ran, writes again
     what it wrote: zero one tensor argument at a time, replay, and an output comes back."""
-    launch_and_run = fused_connections._launch
     right_after = []
 
-    def snapshot(*launch, **constexprs):
-        launch_and_run(*launch, **constexprs)
-        right_after.append([a.detach().clone() for a in launch[3:] if isinstance(a, torch.Tensor)])
+    def snapshot(name, grid, device, args, constexprs, launch):
+        launch()
+        right_after.append([a.detach().clone() for a in args if isinstance(a, torch.Tensor)])
 
-    monkeypatch.setattr(fused_connections, "_launch", snapshot)
-    launches = connection_launches("mhclite", "float32", False, 8, 1, 4, DEVICE)
-    monkeypatch.undo()
+    with ops.launch_hook(snapshot):
+        launches = connection_launches("mhclite", "float32", False, 8, 1, 4, DEVICE)
     assert len(launches) == len(right_after) > 0
     for launch, saved in zip(launches, right_after):
         tensors = [a for a in launch.args if isinstance(a, torch.Tensor)]
@@ -60,8 +53,8 @@ def test_kernels_table_has_every_launch_with_its_counted_bytes(tmp_path, capsys)
     counted.write_text(json.dumps({"mhclite": {"float32": {"kernels": {first: 3000}, "torch": 0, "forward": 0,
                                                            "backward": 0, "total": 0}}}))
     out = tmp_path / "kernels.json"
-    bench.main(FLAGS + ["--residuals", "res,mhclite", "--dtype", "float32", "--kernel_bytes", str(counted),
-                        "--json", str(out)])
+    bench_kernels.main(FLAGS + ["--residuals", "mhclite", "--dtype", "float32", "--kernel_bytes", str(counted),
+                                "--json", str(out)])
     printed = capsys.readouterr().out
     result = json.loads(out.read_text())
     assert result["mode"] == "kernels"
@@ -86,39 +79,30 @@ def test_kernels_table_has_every_launch_with_its_counted_bytes(tmp_path, capsys)
     assert printed.count("| mhclite |") == len(rows)
 
 
-def test_kernel_bytes_come_from_count_bytes_on_cpu_in_the_interpreter(tmp_path, monkeypatch):
-    """Without --kernel_bytes, bench.py runs scripts/count_bytes.py (here a stand-in that checks
-    its environment and arguments) and reads its JSON."""
-    stand_in = tmp_path / "count_bytes.py"
-    stand_in.write_text(
-        "import json, os, sys\n"
-        "assert os.environ['TRITON_INTERPRET'] == '1' and os.environ['CUDA_VISIBLE_DEVICES'] == ''\n"
-        "args = dict(zip(sys.argv[1::2], sys.argv[2::2]))\n"
-        "assert args['--residuals'] == 'hc,mhclite' and args['--stream_dtypes'] == 'float32,bfloat16'\n"
-        "json.dump({'hc': {'bfloat16': {'kernels': {'k': 7}}}}, open(args['--json'], 'w'))\n")
-    monkeypatch.setattr(bench, "COUNT_BYTES_SCRIPT", str(stand_in))
-    args = bench.resolve(bench.parse_args(FLAGS + ["--residuals", "res,hc,mhclite"]))
-    assert bench.kernel_bytes(args, ["hc", "mhclite"]) == {"hc": {"bfloat16": {"kernels": {"k": 7}}}}
-    stand_in.write_text("import sys; sys.exit('count_bytes: something broke')\n")
-    with pytest.raises(bench.BenchError, match="count_bytes.py failed: count_bytes: something broke"):
-        bench.kernel_bytes(args, ["hc"])
-    monkeypatch.setattr(bench, "COUNT_BYTES_SCRIPT", str(tmp_path / "absent.py"))
-    with pytest.raises(bench.BenchError, match="pass --kernel_bytes PATH"):
-        bench.kernel_bytes(args, ["hc"])
+def test_the_default_kernel_bytes_file_is_count_bytes_json():
+    """bench_kernels reads bytes per token from a file (nothing runs the interpreter on a GPU
+    machine); tests/fused/test_fused_bytes.py keeps that file equal to a fresh count."""
+    args = bench_kernels.resolve(bench_kernels.parse_args(FLAGS))
+    counted = bench_kernels.read_kernel_bytes(args.kernel_bytes)
+    assert set(counted) == {"hc", "mhc", "mhclite"}
+    assert all(set(counted[r]) == {"float32", "bfloat16"} for r in counted)
 
 
 @pytest.mark.parametrize("flags, interpret, message", [
     (["--device", "cpu"], False, "on CPU it runs only under TRITON_INTERPRET=1"),
-    (["--device", "cpu", "--residuals", "res"], True, "--residuals has none of hc, mhc, mhclite"),
-    (["--device", "cpu", "--n_sweep", "4"], True, "--kernels runs alone"),
+    (["--device", "cpu", "--residuals", "res"], True, "--residuals must name some of hc, mhc, mhclite"),
+    (["--device", "cpu", "--steps", "0"], True, "--steps must be >= 1"),
     (["--device", "cpu", "--kernel_bytes", "absent.json"], True, "cannot read the kernel bytes absent.json"),
 ])
 def test_kernels_bad_settings_give_one_error_line(flags, interpret, message, monkeypatch, capsys):
     if not interpret:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(SystemExit) as exit_info:
-        bench.main(["--kernels", "--size", "tiny", "--batch_size", "1", "--block_size", "4", *flags])
-    assert exit_info.value.code == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
-    assert sys.exc_info()[0] is None
+    argv = ["--size", "tiny", "--batch_size", "1", "--block_size", "4", *flags]
+    assert message in one_error_line(bench_kernels.main, argv, capsys)
+
+
+@pytest.mark.parametrize("flag, replacement", [("--kernels", "python -m fused.bench_kernels"),
+                                               ("--kernel_bytes=x.json", "python -m fused.bench_kernels"),
+                                               ("--compile_time", "python scripts/compile_time.py")])
+def test_bench_flags_that_moved_name_their_command(flag, replacement, capsys):
+    assert replacement in one_error_line(bench.main, ["--size", "tiny", flag], capsys)

@@ -1,15 +1,15 @@
 """Registers, stack (local memory), shared memory and resident CTAs per SM of every fused connection
 kernel the model launches, compiled for sm_80 and sm_90 on a machine without a GPU.
 
-    python scripts/kernel_resources.py                          # Markdown table
-    python scripts/kernel_resources.py --json out/kernel_resources.json
+    python -m fused.resources                          # Markdown table
+    python -m fused.resources --json out/kernel_resources.json
 
 For hc, mhc and mhclite (n = 4) at C = 768 and an odd width, with float32 and bfloat16 streams,
 under bf16 autocast and in float32, the launches of one forward + backward of a connection are
-recorded without running them (kernel_launches.py; a 2 x 16 batch: its token count is a multiple of
+recorded without running them (launches.py; a 2 x 16 batch: its token count is a multiple of
 16 like a training batch's, so every int argument is specialised as at full size). Each launch
 becomes the signature, constexprs and tt.divisibility attributes triton's JIT would build
-(kernel_launches.jit_specialisation) and is compiled with triton.compile for GPUTarget("cuda", cc,
+(launches.jit_specialisation) and is compiled with triton.compile for GPUTarget("cuda", cc,
 32); ptxas and cuobjdump ship in triton's wheel. `cuobjdump -res-usage` reads registers, stack
 bytes (spills go there), local memory and static shared memory from the cubin; the dynamic shared
 memory comes from the compiled kernel's metadata. Each distinct compilation runs once.
@@ -32,11 +32,10 @@ import tempfile
 import time
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import fmt, markdown_table
 
-import fused_connections  # noqa: E402
-from bench import fmt, markdown_table  # noqa: E402
-from kernel_launches import connection_launches, jit_specialisation  # noqa: E402
+from . import TRITON_AVAILABLE, ops
+from .launches import connection_launches, jit_specialisation
 
 RESIDUALS = ("hc", "mhc", "mhclite")
 STREAM_DTYPES = ("float32", "bfloat16")
@@ -59,7 +58,7 @@ class ToolError(Exception):
 
 def missing_tool():
     """Why kernels cannot be compiled here, or None."""
-    if not fused_connections.TRITON_AVAILABLE:
+    if not TRITON_AVAILABLE:
         return "triton is not installed"
     import triton
     for tool in ("ptxas", "cuobjdump"):
@@ -98,7 +97,7 @@ def compile_kernel(name, specialisation, cc):
     # triton 3.9 warns that fp fusion's default will change; the JIT compiles with the same default
     warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
     signature, constexprs, attrs, options = specialisation
-    source = triton.compiler.ASTSource(fused_connections.kernel(name), signature, constexprs, attrs)
+    source = triton.compiler.ASTSource(ops.kernel(name), signature, constexprs, attrs)
     try:
         compiled = triton.compile(source, target=GPUTarget("cuda", cc, 32), options=dict(options))
     except Exception as e:  # the compiler's own error types; the last line of the message says what failed
@@ -125,7 +124,7 @@ def measure(residuals, stream_dtypes, widths, ccs, jobs):
                 for autocast in (True, False):
                     for launch in connection_launches(residual, stream_dtype, autocast, width, BATCH, TIME, "cpu",
                                                       run=False):
-                        specialisation = jit_specialisation(fused_connections.kernel(launch.kernel), launch.args,
+                        specialisation = jit_specialisation(ops.kernel(launch.kernel), launch.args,
                                                             launch.constexprs)
                         signature, constexprs, attrs, _ = specialisation
                         keys = {cc: compile_key(launch.kernel, specialisation, cc) for cc in ccs}

@@ -1,12 +1,5 @@
-"""The HC-family connections (hc, mhc, mhclite) through Triton kernels, as torch.library custom ops.
-
-residuals.py is the reference: `connection_forward(module, x, branch)` computes what
-`module(x, branch)` computes (StreamConnection.forward) for n = 4 streams, in two custom ops
-around the branch, each with one forward and one backward kernel (fused_kernels.py):
-
-    u, h_pre, h_post, h_res, z, rms_inv, next_grad = connection_pre(x, weight, scale, bias, ...)
-    y      = branch(u)
-    x_next = connection_post(x, h_post, h_res, y, next_grad)
+"""The fused connection as torch.library custom ops: connection_pre and connection_post, each with a
+fake implementation (for torch.compile) and an autograd formula that calls a backward op.
 
 connection_pre runs the RMS factor, the projection GEMM (bf16 operands under bf16 autocast, fp32
 accumulation), the coefficient math in registers (hc's tanh, mhc's 20 log-space Sinkhorn
@@ -17,148 +10,72 @@ grad h_post; it hands the incoming gradient g on, untouched, as the gradient of 
 zero-storage output of connection_pre of x's shape, so that connection_pre's backward kernel
 (after the branch's backward) has g, grad u and x together: it makes the coefficient gradients,
 runs the coefficient math backward in registers (mhc: Sinkhorn recomputed from checkpoints), and
-writes grad x once with the mixing, projection and RMS terms in it, while it reduces the
-projection weight's gradient into per-program partials (WEIGHT_GRAD_PROGRAMS of them, summed by
-one small torch reduction). No autograd add of two full-size gradients, no cast copy of x. Saved
-for backward: x and per token O(n^2) floats (z, rms_inv, the coefficients), nothing n x C wide.
+writes grad x once with the mixing, projection and RMS terms in it, while each program reduces
+the projection weight's gradient for its tokens (summed by one small torch reduction). No autograd
+add of two full-size gradients, no cast copy of x. Saved for backward: x and per token O(n^2)
+floats (z, rms_inv), nothing n x C wide. Bytes per token: docs/benchmarks.md (python -m fused.count_bytes).
 
-Bytes moved per token and connection, counted by `python scripts/count_bytes.py` (each kernel in
-Triton's interpreter, each address once per launch and direction, plus every torch op between the
-kernels: none per token; per-token slope between two token counts), n = 4, C = 768, bf16 autocast,
-bf16 branch output, in KB (1000 bytes); the floor is 7 nCs + 16 C (98.3 / 55.3 KB):
-
-                   pre    post   post_backward  pre_backward  forward  backward  total
-    fp32 streams   15.6   26.2   15.4           40.1          41.8     55.5      97.2 (mhclite 97.3)
-    bf16 streams    9.4   13.9    9.2           21.6          23.3     30.9      54.2
-    pre           reads x (twice on chip, counted once): nCs; writes u (4C) and O(n^2) floats
-    post          reads x, y, h_res, h_post; writes x_next: 2 nCs + s_y C
-    post_backward reads g and y; writes grad y: nCs + 2 s_y C
-    pre_backward  reads x, g, grad u, O(n^2) floats; writes grad x: 3 nCs + 4C
-The same for hc, mhc and mhclite to within 0.1 KB (their O(n^2) per-token floats differ).
-
-CUDA is the target. On CPU the same kernels run in Triton's interpreter, for tests only: a CPU
-tensor takes this path only when INTERPRET_ON_CPU is set and TRITON_INTERPRET=1, which must be set
-before triton is imported (fused_kernels.py, imported at the first kernel launch, imports it).
+Every kernel launch goes through `_launch`; `launch_hook` lets a tool see (and run, or not) each one.
 """
 
+import contextlib
 import functools
-import importlib.util
 import os
 
 import torch
 
-from residuals import (RESIDUALS, RMS_EPS, HyperConnection, ManifoldHyperConnection, StreamConnection,
-                       autocast_matmul_dtype)
-
-TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
-
-# Tests set this to drive the kernels through Triton's interpreter on CPU tensors.
-INTERPRET_ON_CPU = False
+from residuals import RMS_EPS
 
 STREAMS = 4  # the kernels are written for n = 4 streams
-STREAM_DTYPES = (torch.float32, torch.bfloat16)
 MIN_SINKHORN_ITERS = 4  # the Sinkhorn backward keeps four checkpoints
 
 # Tile sizes (constexprs): tokens per program (tl.dot needs >= 16) and channels per loop step, and
-# warps of the pre kernels: with these, compiled for sm_80 and sm_90 with bf16 autocast, no kernel
-# spills registers (docs/benchmarks.md).
+# warps of the pre kernels: chosen so that no kernel spills registers on sm_80 or sm_90
+# (python -m fused.resources; docs/benchmarks.md).
 BLOCK_TOKENS = 16
 BLOCK_CHANNELS = 16
 PRE_WARPS = 8
-# No software pipelining in pre_backward: with the default 3 stages it needs 255 registers and
-# spills (mhc with fp32 streams on sm_80, mhclite with bf16 streams on sm_90); with 1 it needs at
-# most 175 and spills nothing (scripts/kernel_resources.py).
+# No software pipelining in pre_backward: with triton's default stages it spills registers
+# (python -m fused.resources; docs/benchmarks.md).
 PRE_BACKWARD_STAGES = 1
 # Programs of the backward kernel, each with its own weight-sized partial of grad W: a fixed number,
 # so that the partials cost the same whatever the token count.
 WEIGHT_GRAD_PROGRAMS = 128
 
 
-def unsupported_reason(module, x) -> str | None:
-    """Why connection_forward cannot run `module` on x here, or None when it can (traceable)."""
-    if not TRITON_AVAILABLE:
-        return "triton is not installed"
-    if not isinstance(module, StreamConnection):
-        return "not an HC-family connection"
-    if module.n_streams != STREAMS:
-        return "the kernels are written for n_streams = 4"
-    if isinstance(module, ManifoldHyperConnection) and module.sinkhorn_iters < MIN_SINKHORN_ITERS:
-        return "the kernels need sinkhorn_iters >= 4"
-    if type(module) not in RESIDUALS.values():
-        return "the kernels compute residuals.py's connections, not the authors' arithmetic (authors.py)"
-    if x.dtype not in STREAM_DTYPES:
-        return "the kernels take float32 or bfloat16 streams"
-    if x.dim() != 4 or x.shape[-2] != module.n_streams or x.shape[-1] != module.width:
-        return "x is not (B, T, n, C) for this connection"
-    if x.device.type == "cuda":
-        return None
-    if x.device.type == "cpu" and INTERPRET_ON_CPU and os.environ.get("TRITON_INTERPRET") == "1":
-        return None
-    return "the kernels run on CUDA tensors (on CPU only in Triton's interpreter, for tests)"
-
-
-def supported(module, x) -> bool:
-    """Whether connection_forward can run `module` on x here."""
-    return unsupported_reason(module, x) is None
-
-
-def connection_forward(module, x, branch):
-    """module(x, branch) for an HC-family connection, through the fused ops (x: (B, T, n, C))."""
-    batch, time, n, width = x.shape
-    rows = x.reshape(batch * time, n, width)
-    bf16_operands = autocast_matmul_dtype(x.device.type) == torch.bfloat16
-    with torch.autocast(x.device.type, enabled=False):
-        variant, weight, scale, bias, perm_matrices, iters = _packed_parameters(module)
-        u, h_pre, h_post, h_res, z, rms_inv, next_grad = connection_pre(rows, weight, scale, bias, perm_matrices,
-                                                                        variant, iters, bf16_operands)
-    if module.recorder is not None:
-        _record(module, (batch, time), h_pre, h_post, h_res, z, rms_inv)
-    y = branch(u.view(batch, time, width))
-    with torch.autocast(x.device.type, enabled=False):
-        x_next = connection_post(rows, h_post, h_res, y.reshape(batch * time, width), next_grad)
-    return x_next.view(batch, time, n, width)
-
-
-def _packed_parameters(module):
-    """(variant, weight, scale, bias, perm_matrices, sinkhorn_iters) as the kernels read them (fp32):
-    mhc/mhclite logits l[k] = scale[k] p[k] + bias[k] over [pre | post | res];
-    hc A[i, k] = bias[i, k] + scale[k] tanh(p[i, k]) with bias = [static_alpha | static_beta]."""
-    n = module.n_streams
-    weight = module.projection_weight().float()
-    empty = weight.new_empty((0, n * n))
-    if isinstance(module, HyperConnection):
-        scale = torch.cat([module.scale_alpha.expand(n + 1), module.scale_beta.expand(1)])
-        bias = torch.cat([module.static_alpha, module.static_beta[:, None]], dim=1)
-        return "hc", weight, scale.float(), bias.float(), empty, 0
-    res = module.res_logits
-    scale = torch.cat([module.scale_pre.expand(n), module.scale_post.expand(n), module.scale_res.expand(res)])
-    bias = torch.cat([module.bias_pre, module.bias_post, module.bias_res])
-    if isinstance(module, ManifoldHyperConnection):
-        return "mhc", weight, scale.float(), bias.float(), empty, module.sinkhorn_iters
-    return "mhclite", weight, scale.float(), bias.float(), module.perm_matrices, 0
-
-
-@torch.no_grad()
-def _record(module, leading, h_pre, h_post, h_res, z, rms_inv):
-    """Hand the kernels' coefficients (and the variant's extras, recomputed in torch from the
-    projection) to the residuals.capture_connections() context that set module.recorder."""
-    p = z * (rms_inv[..., None] if z.dim() == 3 else rms_inv[:, None])
-    coeffs = module.coefficients_from_projection(p.view(*leading, *p.shape[1:]))
-    coeffs.update(h_pre=h_pre.view(*leading, -1), h_post=h_post.view(*leading, -1),
-                  h_res=h_res.view(*leading, *h_res.shape[1:]))
-    module.record(coeffs)
-
-
 # ----------------------------------------------------------------------------------------------
-# Launching: every kernel launch goes through _launch (scripts/count_bytes.py counts them there).
+# Launching: every kernel launch goes through _launch.
+
+_hooks = []  # launch_hook's, innermost last
+_operands_for_cuda = False  # set by launch_hook(..., operands_for_cuda=True)
+
+
+@contextlib.contextmanager
+def launch_hook(hook, operands_for_cuda=False):
+    """Inside the block, every kernel launch calls hook(kernel_name, grid, device, args, constexprs,
+    run) instead of launching; run() launches it (through the hooks of enclosing blocks, if any).
+    operands_for_cuda: the ops pick their device-dependent constexprs as for CUDA whatever the
+    tensors' device (to record launches without running them)."""
+    global _operands_for_cuda
+    saved = _operands_for_cuda
+    _hooks.append(hook)
+    _operands_for_cuda = operands_for_cuda or saved
+    try:
+        yield
+    finally:
+        _hooks.remove(hook)
+        _operands_for_cuda = saved
 
 
 @functools.cache
 def _kernel_module():
-    """fused_kernels, imported at the first launch: importing this module (model.py does) never
-    imports triton, so TRITON_INTERPRET, read when triton is imported, can still be set later."""
-    import fused_kernels
-    return fused_kernels
+    """kernels.py, imported at the first launch: importing this module never imports triton, so
+    TRITON_INTERPRET, read when triton is imported, can still be set later."""
+    from . import kernels
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        from .interpreter import fix_scalar_index
+        fix_scalar_index()
+    return kernels
 
 
 def kernel(kernel_name):
@@ -166,13 +83,27 @@ def kernel(kernel_name):
     return getattr(_kernel_module(), kernel_name)
 
 
-def _launch(kernel_name, grid, device, *args, **constexprs):
+def launch(kernel_name, grid, device, *args, **constexprs):
+    """Launch kernel_name on grid (no hook)."""
     fn = kernel(kernel_name)
     if device.type == "cuda":
         with torch.cuda.device(device):  # triton launches on the current device
             fn[grid](*args, **constexprs)
     else:
-        fn[grid](*args, **constexprs)  # CPU tensors: only under TRITON_INTERPRET=1 (see unsupported_reason)
+        fn[grid](*args, **constexprs)  # CPU tensors: only under TRITON_INTERPRET=1 (see fused.unsupported_reason)
+
+
+def _launch(kernel_name, grid, device, *args, **constexprs):
+    _through_hooks(len(_hooks), kernel_name, grid, device, args, constexprs)
+
+
+def _through_hooks(depth, kernel_name, grid, device, args, constexprs):
+    """The launch as the hook at depth - 1 sees it (the innermost first), or the launch itself at 0."""
+    if depth == 0:
+        launch(kernel_name, grid, device, *args, **constexprs)
+    else:
+        _hooks[depth - 1](kernel_name, tuple(grid), device, args, constexprs,
+                          functools.partial(_through_hooks, depth - 1, kernel_name, grid, device, args, constexprs))
 
 
 def _cdiv(a, b):
@@ -190,7 +121,7 @@ def _dot_operands(bf16_operands, device):
     and whose bf16 casts truncate."""
     if not bf16_operands:
         return "fp32"
-    return "bf16" if device.type == "cuda" else "bf16_rounded"
+    return "bf16" if device.type == "cuda" or _operands_for_cuda else "bf16_rounded"
 
 
 def _variant_constexprs(variant, weight, bf16_operands, sinkhorn_iters, device):
@@ -223,7 +154,7 @@ def connection_pre(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
                    perm_matrices: torch.Tensor, variant: str, sinkhorn_iters: int, bf16_operands: bool
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                               torch.Tensor]:
-    """For x (M, n, C) float32 or bfloat16 and the packed parameters (_packed_parameters), fp32:
+    """For x (M, n, C) float32 or bfloat16 and the packed parameters (fused.packed_parameters), fp32:
     u (M, C), h_pre (M, n), h_post (M, n), h_res (M, n, n), z and rms_inv (the projection before
     the RMS factor and the factor, kept for the backward), and next_grad, a zero-storage tensor of
     x's shape whose gradient is the gradient of connection_post's output."""
@@ -256,9 +187,10 @@ def connection_pre_backward(x: torch.Tensor, grad: torch.Tensor, grad_u: torch.T
     tokens = x.shape[0]
     programs = min(WEIGHT_GRAD_PROGRAMS, _cdiv(tokens, BLOCK_TOKENS))
     grad_x = torch.empty_like(x)
-    grad_weight = weight.new_zeros((programs, *weight.shape))
-    grad_scale = scale.new_zeros((programs, scale.numel()))
-    grad_bias = bias.new_zeros((programs, bias.numel()))
+    # Every program has a token block (programs <= blocks) and writes its whole slice: no zero fill.
+    grad_weight = weight.new_empty((programs, *weight.shape))
+    grad_scale = scale.new_empty((programs, scale.numel()))
+    grad_bias = bias.new_empty((programs, bias.numel()))
     if tokens > 0:
         perms = perm_matrices.contiguous() if perm_matrices.numel() else weight
         _launch("pre_backward_kernel", (programs,), x.device, x, grad, grad_u, grad_h_post, weight.contiguous(),

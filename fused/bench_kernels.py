@@ -1,0 +1,184 @@
+"""Each fused connection kernel alone: time, GB/s from the counted bytes per token, and the ratio to
+a device-to-device copy of the streams.
+
+    python -m fused.bench_kernels --size M                   # on a GPU
+    TRITON_INTERPRET=1 python -m fused.bench_kernels --size tiny --device cpu --batch_size 1 --block_size 16
+                                                             # CPU dry run in Triton's interpreter (times mean nothing)
+
+For each HC-family variant with fp32 and bf16 streams, the launches of one forward + backward of the
+variant's connection are recorded (launches.py), then each is replayed alone and timed. The bytes
+per token per kernel come from a JSON file written by `python -m fused.count_bytes --json PATH` on a
+CPU (default: fused/kernel_bytes.json, which the tests keep equal to a fresh count), so that nothing
+here runs Triton's interpreter on the GPU machine.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from bench import fmt, markdown_table, ratio
+from model import STREAM_DTYPES, GPTConfig, model_shape
+from train import synchronize
+
+from . import TRITON_AVAILABLE
+from .launches import connection_launches
+
+HC_FAMILY = ("hc", "mhc", "mhclite")
+KERNEL_BYTES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernel_bytes.json")
+DEFAULT_BATCH_BLOCK = {"tiny": (8, 128)}  # (batch_size, block_size) by size; (16, 1024) otherwise, as bench.py
+
+
+class KernelBenchError(Exception):
+    """Bad settings."""
+
+
+def time_alone(fn, warmup, repeats, device, calls=10):
+    """Median ms of one fn() call. On CUDA each repeat brackets `calls` back-to-back calls with
+    events, so that launch overhead hides behind the kernels as in a training step."""
+    calls = calls if device.type == "cuda" else 1
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / calls)
+        else:
+            began = time.perf_counter()
+            fn()
+            times.append(1000 * (time.perf_counter() - began))
+    return statistics.median(times)
+
+
+def read_kernel_bytes(path):
+    """{residual: {stream dtype: {"kernels": {kernel: bytes per token}}}} from count_bytes' JSON."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise KernelBenchError(f"cannot read the kernel bytes {path}: {e}") from None
+
+
+def kernel_bench(args, device):
+    """Every kernel of every variant in args.residual_list, replayed alone at (B, T, n, C)."""
+    counted = read_kernel_bytes(args.kernel_bytes)
+    n, width, tokens = GPTConfig.n_streams, args.shape["n_embd"], args.batch_size * args.block_size
+    rows, copies = [], {}
+    for stream_dtype, dtype in STREAM_DTYPES.items():
+        source = torch.randn(tokens, n, width, generator=torch.Generator().manual_seed(args.seed)).to(device, dtype)
+        target = torch.empty_like(source)
+        copy_ms = time_alone(lambda: target.copy_(source), args.warmup, args.steps, device)
+        copies[stream_dtype] = dict(ms=copy_ms, bytes=2 * source.nbytes, gb_per_s=2 * source.nbytes / copy_ms / 1e6)
+        del source, target
+        for residual in args.residual_list:
+            launches = connection_launches(residual, stream_dtype, args.dtype == "bfloat16", width, args.batch_size,
+                                           args.block_size, device, n_streams=n, seed=args.seed)
+            synchronize(device)
+            by_kernel = {}
+            for launch in launches:
+                row = by_kernel.setdefault(launch.kernel, dict(residual=residual, stream_dtype=stream_dtype,
+                                                               kernel=launch.kernel, phase=launch.phase, launches=0,
+                                                               ms=0.0))
+                row["launches"] += 1
+                row["ms"] += time_alone(launch.replay, args.warmup, args.steps, device)
+            for row in by_kernel.values():
+                per_token = counted.get(residual, {}).get(stream_dtype, {}).get("kernels", {}).get(row["kernel"])
+                gb_per_s = per_token * tokens / row["ms"] / 1e6 if per_token is not None else None
+                rows.append(dict(row, bytes_per_token=per_token, gb_per_s=gb_per_s,
+                                 copy_ratio=ratio(gb_per_s, copies[stream_dtype]["gb_per_s"])))
+            del launches
+    return dict(rows=rows, copies=copies, tokens=tokens, n_streams=n, width=width, autocast=args.dtype,
+                kernel_bytes=args.kernel_bytes, dry_run=device.type != "cuda")
+
+
+def kernel_table(result):
+    rows = [[r["residual"], r["stream_dtype"], r["kernel"].removesuffix("_kernel"), r["phase"], str(r["launches"]),
+             fmt(1000 * r["ms"], ".1f"), fmt(r["bytes_per_token"], ",.0f"), fmt(r["gb_per_s"], ".0f"),
+             fmt(r["copy_ratio"], ".2f")] for r in result["rows"]]
+    copies = "; ".join(f"{dtype} streams {fmt(c['gb_per_s'], '.0f')} GB/s ({fmt(1000 * c['ms'], '.1f')} us for "
+                       f"{c['bytes'] / 2**20:.1f} MiB read + written)" for dtype, c in result["copies"].items())
+    table = markdown_table(["variant", "streams", "kernel", "phase", "launches", "us", "bytes/token", "GB/s",
+                            "x copy"], rows)
+    return f"{table}\n\ndevice-to-device copy of the streams: {copies}"
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--size", default="tiny", help="tiny, S, M or L (the width C)")
+    parser.add_argument("--batch_size", type=int, help="default 8 for tiny, 16 otherwise")
+    parser.add_argument("--block_size", type=int, help="default 128 for tiny, 1024 otherwise")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="autocast dtype; auto: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--residuals", default="hc,mhc,mhclite")
+    parser.add_argument("--steps", type=int, default=20, help="timed repeats")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed calls first")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kernel_bytes", default=KERNEL_BYTES, help="python -m fused.count_bytes --json output")
+    parser.add_argument("--json", help="output path (default out/bench/<size>-<device>-<dtype>-kernels.json)")
+    return parser.parse_args(argv)
+
+
+def resolve(args):
+    try:
+        args.shape = model_shape(args.size)
+    except ValueError as e:
+        raise KernelBenchError(str(e)) from None
+    default_batch, default_block = DEFAULT_BATCH_BLOCK.get(args.size, (16, 1024))
+    args.batch_size = default_batch if args.batch_size is None else args.batch_size
+    args.block_size = default_block if args.block_size is None else args.block_size
+    for key in ("batch_size", "block_size", "steps"):
+        if getattr(args, key) < 1:
+            raise KernelBenchError(f"--{key} must be >= 1, got {getattr(args, key)}")
+    args.residual_list = [r for r in dict.fromkeys(r.strip() for r in args.residuals.split(",")) if r]
+    if not args.residual_list or any(r not in HC_FAMILY for r in args.residual_list):
+        raise KernelBenchError(f"--residuals must name some of {', '.join(HC_FAMILY)}, got '{args.residuals}'")
+    if not TRITON_AVAILABLE:
+        raise KernelBenchError("needs triton")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise KernelBenchError("--device cuda but no CUDA device is available")
+    args.device_type = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise KernelBenchError("times the Triton kernels on CUDA; on CPU it runs only under TRITON_INTERPRET=1 "
+                               "(a dry run at tiny shapes)")
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if args.device_type == "cuda" else "float32"
+    if args.json is None:
+        args.json = os.path.join("out", "bench", f"{args.size}-{args.device_type}-{args.dtype}-kernels.json")
+    return args
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = resolve(parse_args(argv))
+        device = torch.device(args.device_type)
+        result = dict(command=" ".join(["python", "-m", "fused.bench_kernels", *argv]), torch=torch.__version__,
+                      device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                      mode="kernels", kernels=kernel_bench(args, device))
+    except KernelBenchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    dry_run = "" if device.type == "cuda" else ", CPU DRY RUN in Triton's interpreter: the times are not GPU times"
+    print(f"## Fused connection kernels alone, {args.batch_size} x {args.block_size} tokens, n = "
+          f"{GPTConfig.n_streams}, C = {args.shape['n_embd']}, autocast {args.dtype}, {result['device_name']}, "
+          f"median of {args.steps} after {args.warmup} warm-up{dry_run}\n\n{kernel_table(result['kernels'])}\n")
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
