@@ -126,12 +126,22 @@ def randomise(module, scale, seed=0):
     return module
 
 
+def assert_one_error_line(stderr, *words, alone=False):
+    """stderr has no traceback and exactly one `error: ...` line, naming every one of words (alone:
+    and nothing else; otherwise progress lines may come before it); returns that line."""
+    assert "Traceback" not in stderr, stderr
+    lines = [line for line in stderr.strip().splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, stderr
+    assert not alone or stderr.strip() == lines[0], stderr
+    for word in words:
+        assert word in lines[0], stderr
+    return lines[0]
+
+
 def one_error_line(main, argv, capsys):
-    """Runs a command line's main(argv), which must exit with code 2 after exactly one stderr line,
-    `error: ...`, and no traceback; returns that line."""
+    """Runs a command line's main(argv), which must exit with code 2 after printing exactly one
+    stderr line, `error: ...`, and no traceback; returns that line."""
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
-    return err
+    return assert_one_error_line(capsys.readouterr().err, alone=True)

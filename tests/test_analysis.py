@@ -17,6 +17,7 @@ import sample
 from analysis import collect, colsum_box, grad_norm, larger_n, loss_table, nu_hist, progress, report, throughput
 from analysis.common import authors_settings, find_runs, read_metrics
 from checkpoint import load_model
+from conftest import one_error_line
 from residuals import capture_connections
 
 REPO = Path(__file__).resolve().parents[1]
@@ -97,13 +98,6 @@ def markdown_rows(text):
     return rows
 
 
-def one_error_line(capsys, excinfo):
-    assert excinfo.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "\n" not in err, err
-    return err
-
-
 # ---------------------------------------------------------------------------------------------
 # Loss table
 
@@ -167,18 +161,15 @@ def test_metrics_after_resume_keep_the_latest_trajectory(tmp_path):
 
 
 def test_missing_or_duplicate_runs_give_one_line(runs, tmp_path, capsys):
-    with pytest.raises(SystemExit) as excinfo:
-        loss_table.main(["--runs", str(tmp_path / "nope"), "--out", str(tmp_path / "o")])
-    assert "does not exist" in one_error_line(capsys, excinfo)
+    argv = ["--runs", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]
+    assert "does not exist" in one_error_line(loss_table.main, argv, capsys)
     copy = tmp_path / "copy"
     shutil.copytree(runs["hc"], copy)
-    with pytest.raises(SystemExit) as excinfo:
-        loss_table.main(["--runs", str(runs["hc"]), str(copy), "--out", str(tmp_path / "o")])
-    assert "pass only one" in one_error_line(capsys, excinfo)
+    argv = ["--runs", str(runs["hc"]), str(copy), "--out", str(tmp_path / "o")]
+    assert "pass only one" in one_error_line(loss_table.main, argv, capsys)
     (copy / "metrics.jsonl").write_text('{"step": 1}\nnot json\n{"step": 2}\n')
-    with pytest.raises(SystemExit) as excinfo:
-        loss_table.main(["--runs", str(copy), "--out", str(tmp_path / "o")])
-    assert "metrics.jsonl:2" in one_error_line(capsys, excinfo)
+    argv = ["--runs", str(copy), "--out", str(tmp_path / "o")]
+    assert "metrics.jsonl:2" in one_error_line(loss_table.main, argv, capsys)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -327,9 +318,7 @@ def test_collect_errors_are_one_line(runs, tmp_path, capsys):
         (["--ckpt", str(runs["hc"] / "ckpt.pt"), "--num_seqs", "100000"], "fewer than"),
     ]
     for args, message in cases:
-        with pytest.raises(SystemExit) as excinfo:
-            collect.main(base + args)  # later flags win
-        assert message in one_error_line(capsys, excinfo)
+        assert message in one_error_line(collect.main, base + args, capsys)  # later flags win
     assert not (tmp_path / "x.npz").exists()
 
 
@@ -348,14 +337,11 @@ def test_nu_hist_is_max_minus_min_of_the_logits(collected, tmp_path, capsys):
     assert stats["fraction_above"] == pytest.approx(np.mean(expected > 12.0))
     printed = capsys.readouterr().out
     assert f"{100 * np.mean(expected > 30):.2f}% of {expected.size} Sinkhorn inputs" in printed
-    with pytest.raises(SystemExit) as excinfo:
-        nu_hist.main(["--npz", str(collected["mhclite"]), "--out", str(out)])
-    assert "only mhc" in one_error_line(capsys, excinfo)
+    assert "only mhc" in one_error_line(nu_hist.main, ["--npz", str(collected["mhclite"]), "--out", str(out)], capsys)
     truncated = tmp_path / "truncated.npz"
     truncated.write_bytes(collected["mhc"].read_bytes()[:1000])
-    with pytest.raises(SystemExit) as excinfo:
-        colsum_box.main(["--npz", str(truncated), "--out", str(out)])
-    assert "not a readable npz" in one_error_line(capsys, excinfo)
+    argv = ["--npz", str(truncated), "--out", str(out)]
+    assert "not a readable npz" in one_error_line(colsum_box.main, argv, capsys)
 
 
 def test_colsums_per_matrix_and_product(collected, tmp_path, capsys):
@@ -420,14 +406,12 @@ def test_larger_n_study_numbers_come_from_the_runs(runs, tmp_path, capsys):
 
 
 def test_larger_n_rejects_other_variants_and_mixed_lengths(runs, tmp_path, capsys):
-    with pytest.raises(SystemExit) as excinfo:
-        larger_n.main(["--runs", str(runs["hc"]), "--out", str(tmp_path)])
-    assert "the larger-n study compares res, mhc, mhclite" in one_error_line(capsys, excinfo)
+    argv = ["--runs", str(runs["hc"]), "--out", str(tmp_path)]
+    assert "the larger-n study compares res, mhc, mhclite" in one_error_line(larger_n.main, argv, capsys)
     short = tmp_path / "short"
     train_run(runs["res"].parents[1] / "data", short, "mhc", extra=["--max_iters=10"])
-    with pytest.raises(SystemExit) as excinfo:
-        larger_n.main(["--runs", str(runs["res"]), str(short), "--out", str(tmp_path / "o"), "--num_seqs", "1"])
-    assert "stopped at different steps" in one_error_line(capsys, excinfo)
+    argv = ["--runs", str(runs["res"]), str(short), "--out", str(tmp_path / "o"), "--num_seqs", "1"]
+    assert "stopped at different steps" in one_error_line(larger_n.main, argv, capsys)
 
 
 # ---------------------------------------------------------------------------------------------

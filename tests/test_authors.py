@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import authors
 from authors import AUTHORS_CONNECTIONS
 from config import REPO_DIR, load_config
+from conftest import randomise
 from model import GPT, GPTConfig
 from residuals import RESIDUALS, capture_connections, permutation_matrices, rms_projection, sinkhorn
 
@@ -21,14 +22,6 @@ def tiny_gpt(residual, **settings):
     torch.manual_seed(0)
     return GPT(GPTConfig(block_size=8, vocab_size=32, n_layer=2, n_head=2, n_embd=C, residual=residual,
                          n_streams=N, **settings))
-
-
-def randomise(module, seed=0, scale=0.5):
-    """Move every parameter off its init, so that no setting is hidden by a symmetric start."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=generator, dtype=p.dtype))
 
 
 def test_authors_config_composes_with_the_paper_run_and_sets_every_setting():
@@ -50,7 +43,7 @@ def test_fused_connections_refuse_settings_the_kernels_do_not_implement():
 
 def test_per_stream_final_norm_is_layernorm_of_each_stream_then_the_sum():
     model = tiny_gpt("mhc", final_norm="per_stream").double()
-    randomise(model)
+    randomise(model, 0.5)
     idx = torch.randint(32, (2, 8), generator=torch.Generator().manual_seed(1))
     logits, _ = model(idx, idx)
     t = model.transformer
@@ -68,7 +61,7 @@ def test_per_stream_final_norm_is_layernorm_of_each_stream_then_the_sum():
 @pytest.mark.parametrize("residual", ["hc", "mhc", "mhclite"])
 def test_rms_eps_zero_is_the_authors_f_normalize(residual):
     connection = AUTHORS_CONNECTIONS[residual](C, N, 1, rms_eps=0.0).double()
-    randomise(connection)
+    randomise(connection, 0.5)
     x = 1e-3 * torch.randn(2, 3, N, C, dtype=torch.float64, generator=torch.Generator().manual_seed(0))  # small
     # rows, where 1e-6 would matter
     rows = connection.projection_rows(x)
@@ -138,7 +131,7 @@ AUTHORS_DECAYED = {
 @pytest.mark.parametrize("setting", ["projections", "authors"])
 def test_connection_weight_decay_per_variant(residual, setting):
     model = tiny_gpt(residual, connection_weight_decay=setting)
-    randomise(model)
+    randomise(model, 0.5)
     lr, decay = 0.1, 0.5
     optimizer = model.configure_optimizers(decay, lr, (0.9, 0.95), "cpu")
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -164,7 +157,7 @@ def test_connection_weight_decay_per_variant(residual, setting):
 
 def test_h_res_autocast_is_the_authors_permutation_einsum():
     connection = AUTHORS_CONNECTIONS["mhclite"](C, N, 1, h_res_dtype="autocast")
-    randomise(connection, scale=2.0)
+    randomise(connection, 2.0)
     x = torch.randn(2, 5, N, C, generator=torch.Generator().manual_seed(0))
     with torch.autocast("cpu", torch.bfloat16), capture_connections(connection) as records:
         connection(x, lambda u: u)
@@ -186,7 +179,7 @@ def test_mixing_autocast_is_the_authors_bf16_einsum(residual):
     """Their width connection: mix_h = einsum(alpha, x) under autocast (bf16 operands, bf16 result);
     their depth connection adds h_post * f(u) in fp32 (a product without a sum stays fp32)."""
     connection = AUTHORS_CONNECTIONS[residual](C, N, 1, mixing_dtype="autocast")
-    randomise(connection)
+    randomise(connection, 0.5)
     x = torch.randn(2, 5, N, C, generator=torch.Generator().manual_seed(0))
     branch = torch.nn.Linear(C, C)
     with torch.autocast("cpu", torch.bfloat16), capture_connections(connection) as records:
@@ -218,7 +211,7 @@ def autocast_coefficients(connection, x):
 @pytest.mark.parametrize("residual", ["hc", "mhc", "mhclite"])
 def test_mixing_autocast_projection_is_the_authors_bf16_matmul_of_their_rmsnorm(residual):
     connection = AUTHORS_CONNECTIONS[residual](C, N, 1, rms_eps=0.0, mixing_dtype="autocast")
-    randomise(connection)
+    randomise(connection, 0.5)
     x = torch.randn(2, 5, N, C, generator=torch.Generator().manual_seed(0))
     rows = connection.projection_rows(x)
     with torch.autocast("cpu", torch.bfloat16):  # theirs: RMSNorm(x) @ W, the operand rounded by autocast
@@ -234,7 +227,7 @@ def test_mixing_autocast_projection_is_the_authors_bf16_matmul_of_their_rmsnorm(
 def test_mixing_autocast_rounds_hc_dynamic_coefficients_as_the_authors_tanh():
     """Their hc: tanh of the bf16 projection, times a 0-dim scale (still bf16), plus the static part."""
     connection = AUTHORS_CONNECTIONS["hc"](C, N, 1, mixing_dtype="autocast")
-    randomise(connection)
+    randomise(connection, 0.5)
     x = torch.randn(2, 5, N, C, generator=torch.Generator().manual_seed(0))
     p = connection.projection(x, torch.bfloat16)  # their `normed @ dynamic_alpha_fn` comes out in bf16
     dynamic_alpha = torch.tanh(p[..., : N + 1]) * connection.scale_alpha
@@ -253,7 +246,7 @@ def test_mixing_autocast_rounds_the_post_product_as_the_authors_0_dim_scale(resi
     """Their mhc/mhclite: the bf16 projection times the 1-element pre and res scales is fp32, times
     the 0-dim post scale is bf16, before the static parts are added."""
     connection = AUTHORS_CONNECTIONS[residual](C, N, 1, mixing_dtype="autocast")
-    randomise(connection)
+    randomise(connection, 0.5)
     x = torch.randn(2, 5, N, C, generator=torch.Generator().manual_seed(0))
     p = connection.projection(x, torch.bfloat16)
     dynamic_pre = p[..., :N] * connection.scale_pre.reshape(1)  # their pre_branch_scale: shape (1,)

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from config import REPO_DIR, ConfigError, TrainConfig, load_config
+from conftest import assert_one_error_line
 
 
 def write(path, text):
@@ -155,11 +156,7 @@ def test_train_cli_prints_one_error_line_and_exits_2(args, words):
     proc = subprocess.run([sys.executable, os.path.join(REPO_DIR, "train.py"), *args], cwd=REPO_DIR,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert "Traceback" not in proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ")
-    for word in words:
-        assert word in lines[0]
+    assert_one_error_line(proc.stderr, *words, alone=True)
 
 
 @pytest.mark.parametrize("arg, words", [

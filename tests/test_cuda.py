@@ -13,6 +13,7 @@ import torch
 
 import bench
 import fused
+from conftest import randomise
 from model import DEFAULT_COMPILE_MODE, GPT, MODEL_SIZES, GPTConfig, compile_model
 from residuals import RESIDUALS, capture_connections
 
@@ -34,12 +35,9 @@ def tokens(b=4, seed=0):
     return torch.randint(0, VOCAB, (b, BLOCK), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
 
 
-def off_init(model, scale=0.3, seed=1):
+def off_init(model, scale=0.3):
     """Connection parameters moved off their init, so every coefficient path matters."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in (p for m in model.connections() for p in m.parameters()):
-            p.add_(scale * torch.randn(p.shape, generator=generator).to(p.device))
+    randomise(torch.nn.ModuleList(model.connections()), scale, seed=1)
     return model
 
 

@@ -10,7 +10,7 @@ import torch
 
 from analysis import hellaswag
 from checkpoint import load_model
-from conftest import HELLASWAG_FIXTURE
+from conftest import HELLASWAG_FIXTURE, assert_one_error_line
 import sample
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -88,8 +88,8 @@ def test_bad_input_is_one_error_line(hellaswag_runs, tmp_path):
              ([f"--out_dir={hellaswag_runs['res']}", "--limit=0"], "--limit must be >= 1")]
     for args, message in cases:
         result = run_cli(*args)
-        assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
-        assert result.stderr.startswith("error: ") and message in result.stderr
+        assert result.returncode == 2, result.stderr
+        assert_one_error_line(result.stderr, message, alone=True)
 
 
 def test_json_and_parquet_files_give_the_items_of_the_jsonl(tmp_path):

@@ -15,7 +15,7 @@ import export_hf
 import sample
 from analysis import hellaswag
 from checkpoint import load_model
-from conftest import FIXTURE_RUNS, HELLASWAG_FIXTURE
+from conftest import FIXTURE_RUNS, HELLASWAG_FIXTURE, assert_one_error_line
 from model import GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -178,8 +178,8 @@ def test_an_existing_folder_needs_force_and_bad_input_is_one_error_line(hellaswa
                           ([f"--out_dir={tmp_path / 'missing'}", f"--export_dir={tmp_path / 'new'}"],
                            "no run directory")):
         result = run_cli(*args)
-        assert result.returncode == 2 and result.stderr.startswith("error: ") and message in result.stderr
-        assert result.stderr.count("\n") == 1, result.stderr
+        assert result.returncode == 2, result.stderr
+        assert_one_error_line(result.stderr, message, alone=True)
     assert "keep.txt" in os.listdir(earlier) and os.listdir(other) == ["notes.txt"]
     result = run_cli(run, f"--export_dir={earlier}", "--force")
     assert result.returncode == 0, result.stderr

@@ -6,17 +6,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from conftest import randomise
+
 from residuals import (RESIDUALS, HyperConnection, ManifoldHyperConnection, ManifoldHyperConnectionLite,
                        capture_connections, permutation_matrices, permutations, sinkhorn)
-
-
-def randomise(module, scale=1.0, seed=0):
-    """Move every parameter of a connection off its init so that all paths are exercised."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=generator))
-    return module
 
 
 def branch(u):

@@ -16,6 +16,7 @@ import torch
 import train
 from checkpoint import CheckpointError, load_checkpoint, load_model, save_checkpoint
 from config import REPO_DIR, load_config
+from conftest import assert_one_error_line
 
 TRAIN_KEYS = {"step", "train_loss", "lr", "grad_norm", "tokens_per_s", "step_ms", "mfu"}
 EVAL_KEYS = {"step", "eval_train_loss", "val_loss"}
@@ -55,14 +56,6 @@ def run_cli(args, **kwargs):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, os.path.join(REPO_DIR, "train.py"), *args], cwd=REPO_DIR, env=env,
                           capture_output=True, text=True, timeout=300, **kwargs)
-
-
-def assert_one_error_line(stderr, *words):
-    assert "Traceback" not in stderr
-    lines = [line for line in stderr.strip().splitlines() if line.startswith("error:")]
-    assert len(lines) == 1, stderr
-    for word in words:
-        assert word in lines[0]
 
 
 # ----------------------------------------------------------------------------------------------

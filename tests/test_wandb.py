@@ -10,7 +10,8 @@ import pytest
 
 import train
 from config import REPO_DIR
-from test_train import assert_one_error_line, read_all_metrics, tiny_args
+from conftest import assert_one_error_line
+from test_train import read_all_metrics, tiny_args
 
 wandb = pytest.importorskip("wandb")
 from wandb.proto import wandb_internal_pb2  # noqa: E402
