@@ -128,8 +128,7 @@ def make_optimizer(model, device):
 
 
 def train_step(model, optimizer, x, y, ctx):
-    """One training step as train.py takes it (`model` may be the compiled wrapper of the model that
-    `optimizer` holds); returns the detached loss."""
+    """One training step as train.py takes it; `model` may be the compiled form of the optimizer's model."""
     with ctx:
         _, loss = model(x, y)
     loss.backward()
@@ -140,8 +139,7 @@ def train_step(model, optimizer, x, y, ctx):
 
 
 class Variant:
-    """One benchmarked model, its optimizer, and what a step calls (the model or its compiled form),
-    built and compiled once: the memory probe and the timing share it."""
+    """A model, its optimizer and what a step calls (the model or its compiled form), built once."""
 
     def __init__(self, model, optimizer, runner):
         self.model, self.optimizer, self.runner = model, optimizer, runner
@@ -155,19 +153,12 @@ class Variant:
                     state[key] = value.to(device)
 
 
-def build_variant(config, compile_mode, args, device):
-    model = build_models({"model": config}, args.seed, device)["model"]
-    runner = compile_model(model, compile_mode) if args.use_compile else model
-    return Variant(model, make_optimizer(model, device), runner)
-
-
 # ----------------------------------------------------------------------------------------------
 # Measurements
 
 
 def saved_activation_bytes(model, x, y, ctx):
-    """Bytes autograd keeps for backward after one forward: unique storages of the saved tensors,
-    parameters excluded (they exist anyway)."""
+    """Bytes of the unique storages autograd saves for backward in one forward, parameters excluded."""
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages = {}
 
@@ -290,15 +281,16 @@ def to_host(variants, device):
 
 
 def bench_models(configs, baselines, compile_modes, args, device):
-    """Interleaved training steps of every variant (built and compiled once): time, tokens/s, MFU and
-    memory. On CUDA each variant's memory is measured alone first; the timing then runs in as few
-    groups as fit on the GPU."""
+    """Time, tokens/s, MFU and memory of every variant, built and compiled once. On CUDA each variant's
+    memory is measured alone first; the timing then runs in as few groups as fit on the GPU."""
     measure = measures_memory(device)
     batches = random_batches(NUM_BATCHES, args.batch_size, args.block_size, args.vocab_size, args.seed, device)
     ctx = autocast_context(args, device)[1]
     variants, memory = {}, {}
     for name in tqdm(configs, desc="build" + (", memory one variant at a time" if measure else ""), leave=False):
-        variants[name] = build_variant(configs[name], compile_modes[name], args, device)
+        model = build_models({name: configs[name]}, args.seed, device)[name]
+        runner = compile_model(model, compile_modes[name]) if args.use_compile else model
+        variants[name] = Variant(model, make_optimizer(model, device), runner)
         if measure:
             memory[name] = step_memory(variants[name], batches, ctx, device)
             to_host([variants[name]], device)
@@ -406,7 +398,7 @@ def int_list(text):
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
+        values = []
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got '{text}'")
     return values
@@ -473,11 +465,10 @@ def resolve_shared_flags(args):
         if getattr(args, key, least) < least:
             raise BenchError(f"--{key} must be >= {least}, got {getattr(args, key)}")
     args.residual_list = list(dict.fromkeys(r.strip() for r in args.residuals.split(",") if r.strip()))
-    for residual in args.residual_list:
-        if residual not in RESIDUALS:
-            raise BenchError(f"unknown residual '{residual}'; valid: {', '.join(RESIDUALS)}")
-    if not args.residual_list:
-        raise BenchError(f"--residuals is empty; valid: {', '.join(RESIDUALS)}")
+    unknown = [r for r in args.residual_list if r not in RESIDUALS]
+    if unknown or not args.residual_list:
+        problem = f"unknown residual '{unknown[0]}'" if unknown else "--residuals is empty"
+        raise BenchError(f"{problem}; valid: {', '.join(RESIDUALS)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise BenchError("--device cuda but no CUDA device is available")
     args.device_type = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
