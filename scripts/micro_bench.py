@@ -3,11 +3,8 @@
     python scripts/micro_bench.py --size tiny --device cpu
     python scripts/micro_bench.py --size M        # on a GPU: cuda, bf16 autocast, 16 x 1024
 
-Measured interleaved as bench.py measures training steps. The connection of wrapper 0 runs forward
-and backward at the model's (B, T, n, C) with the branch 0.5*u, so only the connection's own cost is
-left; H_res is Sinkhorn against mhclite's softmax-weighted sum of the n! permutations on B*T rows,
-with its op count (CUDA: kernels; CPU: top-level aten ops). Markdown to stdout, JSON to --json
-(default out/bench/<size>-<device>-<dtype>-micro.json).
+Interleaved as bench.py interleaves training steps; what each table measures: docs/benchmarks.md.
+Markdown to stdout, JSON to --json (default out/bench/<size>-<device>-<dtype>-micro.json).
 """
 
 import argparse
@@ -113,6 +110,7 @@ def count_ops(fn, device):
 
 
 def micro_h_res(args, device, n, iters):
+    """mhc's and mhclite's H_res alone on B*T rows, interleaved, with their op counts."""
     rows = args.batch_size * args.block_size
     steps = h_res_steps(n, rows, iters, args.seed, device)
     times = bench.interleaved_times(steps, args.warmup + args.steps, args.warmup, device, "micro: H_res")
@@ -153,7 +151,8 @@ def parse_args(argv):
 def run(args, argv):
     device = torch.device(args.device_type)
     configs = bench.main_variants(args.residual_list, args.recompute, args.shape, args.block_size,
-                                  GPTConfig.vocab_size, stream_dtype=args.stream_dtype,
+                                  GPTConfig.vocab_size,  # the connections do not use it
+                                  stream_dtype=args.stream_dtype,
                                   fused_connections=args.fused_connections == "on")
     result = bench.environment(argv, device, "scripts/micro_bench.py")
     result["settings"] = dict(size=args.size, **args.shape, batch_size=args.batch_size, block_size=args.block_size,
