@@ -1,38 +1,18 @@
-"""Side-by-side speed and memory benchmark of the residual variants (res, hc, mhc, mhclite).
+"""Side-by-side training-step benchmark of the residual variants (res, hc, mhc, mhclite).
 
     python bench.py --size tiny --device cpu
-    python bench.py --size S --device cpu --batch_size 4 --block_size 256
-    python bench.py --size M                       # on a GPU: cuda, bf16, compiled, 16 x 1024, with and without recompute
+    python bench.py --size M        # on a GPU: cuda, bf16, compiled, 16 x 1024, with and without recompute
     python bench.py --size tiny --device cpu --n_sweep 4,6,8 --k_sweep 8,32,128   # mhclite (K perms) vs mhc per n
     python bench.py --size tiny --device cpu --compile on --compile_mode both     # whole model vs block by block
 
-Every variant lives in this one process and is measured interleaved: round r runs one training
-step of every variant, in an order rotated by r, so that drifts of the machine (other jobs, clock
-changes) hit all variants alike. A variant's time ratio is the median over rounds of its step time
-divided by the baseline's step time in the same round, which is why ratios stay meaningful on a
-busy machine even when single timings are noisy.
-
-A training step is what train.py does: forward + loss (bf16 autocast under --dtype bfloat16),
-backward, clip_grad_norm_(1.0), AdamW step, zero_grad; on fixed random token batches, every model
-built from the same seed. Columns:
-  ms          median step time after --warmup rounds; IQR the spread between its quartiles
-  tokens/s    batch_size * block_size / median step time
-  MFU         model FLOPs utilisation against the GPU's dense bf16 peak (null on CPU)
-  act MB      bytes of the tensors autograd saves for backward in one eager forward (unique storages,
-              parameters excluded); device-agnostic, and what recompute_connections cuts
-  peak MB     CUDA only: the variant's weights and AdamW state plus the peak extra memory of its step
-              (max_memory_allocated, reset before each step), measured with the variant alone on the
-              GPU. The timing then keeps as many variants side by side as fit in 85% of the free memory:
-              all of them, or else each variant with its baseline (timing_group in the JSON).
-  x res       the ratio to res (to mhc with the same n in the n/K sweep)
-Results go to stdout as Markdown and to --json (default
-out/bench/<size>-<device>-<dtype>[-compiled][-sweep].json). docs/benchmarks.md has measured tables.
+Every variant lives in this one process. Round r runs one training step (train.py's) of every
+variant in an order rotated by r, and a variant's ratio is the median over rounds of its step time
+over its baseline's in the same round, so that drifts of a busy machine hit all variants alike.
+The columns and how each is measured: docs/benchmarks.md. Markdown to stdout, JSON to --json.
 """
 
 import argparse
-import contextlib
 import datetime
-import functools
 import gc
 import json
 import math
@@ -44,13 +24,11 @@ import sys
 import time
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 from tqdm import tqdm
 
-from model import (COMPILE_MODES, DEFAULT_COMPILE_MODE, GPT, STREAM_DTYPES, GPTConfig, compile_model,
-                   connection_options, connection_path, model_shape)
-from residuals import RESIDUALS, permutation_matrices, sinkhorn
-from train import PEAK_FLOPS, synchronize
+from model import COMPILE_MODES, DEFAULT_COMPILE_MODE, GPT, GPTConfig, compile_model, model_shape
+from residuals import RESIDUALS
+from train import autocast_context, peak_flops, synchronize
 
 HC_FAMILY = ("hc", "mhc", "mhclite")
 RECOMPUTE_SUFFIX = "+recompute"
@@ -62,7 +40,8 @@ MEMORY_STEPS = 2  # steps measured for a variant's peak memory, after one warm-u
 MEMORY_BUDGET_FRACTION = 0.85  # of the free GPU memory, for the variants timed side by side
 # Flags that moved out of bench.py, and the command that has them now.
 MOVED_FLAGS = {"--kernels": "python -m fused.bench_kernels", "--kernel_bytes": "python -m fused.bench_kernels",
-               "--compile_time": "python scripts/compile_time.py", "--compile_probe": "python scripts/compile_time.py"}
+               "--compile_time": "python scripts/compile_time.py", "--compile_probe": "python scripts/compile_time.py",
+               "--micro": "python scripts/micro_bench.py", "--no-micro": "python scripts/micro_bench.py"}
 
 
 class BenchError(Exception):
@@ -74,26 +53,22 @@ class BenchError(Exception):
 
 
 def main_variants(residuals, recompute, shape, block_size, vocab_size, **hc_options):
-    """{name: GPTConfig} for the side-by-side table; with recompute="both" every HC-family variant
-    also appears as "<name>+recompute". hc_options (stream_dtype, fused_connections) go to the HC
-    family; res stays nanoGPT."""
+    """{name: GPTConfig}; with recompute="both" every HC-family variant also appears as "<name>+recompute".
+    hc_options (stream_dtype, fused_connections) go to the HC family; res stays nanoGPT."""
     configs = {}
     for residual in residuals:
-        if residual not in HC_FAMILY:
-            settings = [False]
-        else:
-            settings = [False, True] if recompute == "both" else [recompute == "on"]
+        hc = residual in HC_FAMILY
+        settings = ([False, True] if recompute == "both" else [recompute == "on"]) if hc else [False]
         for recompute_connections in settings:
-            name = residual + (RECOMPUTE_SUFFIX if recompute_connections else "")
-            options = hc_options if residual in HC_FAMILY else {}
-            configs[name] = GPTConfig(block_size=block_size, vocab_size=vocab_size, residual=residual,
-                                      recompute_connections=recompute_connections, **options, **shape)
+            configs[residual + (RECOMPUTE_SUFFIX if recompute_connections else "")] = GPTConfig(
+                block_size=block_size, vocab_size=vocab_size, residual=residual,
+                recompute_connections=recompute_connections, **(hc_options if hc else {}), **shape)
     return configs
 
 
 def with_compile_modes(configs, modes):
-    """({name: GPTConfig}, {name: compile mode}). With both modes every variant appears twice:
-    "<name>" compiled as a whole model and "<name>/blocks" compiled block by block."""
+    """({name: GPTConfig}, {name: compile mode}); with both modes every variant appears as "<name>"
+    (compiled as a whole model) and "<name>/blocks" (compiled block by block)."""
     if len(modes) == 1:
         return configs, {name: modes[0] for name in configs}
     named, compile_modes = {}, {}
@@ -110,8 +85,8 @@ def same_mode_baselines(names, baseline):
 
 
 def sweep_variants(n_values, k_values, recompute, shape, block_size, vocab_size, **hc_options):
-    """{name: GPTConfig} for the n/K sweep, and {name: baseline name}: mhc with n streams, then
-    mhclite with each K <= n! (plus all n! permutations for n <= 5), each compared to that mhc."""
+    """({name: GPTConfig}, {name: baseline}) for the n/K sweep: mhc with n streams, then mhclite with
+    each K <= n! (plus all n! permutations for n <= 5), each compared to that mhc."""
     configs, baselines = {}, {}
     for n in n_values:
         common = dict(block_size=block_size, vocab_size=vocab_size, n_streams=n,
@@ -148,19 +123,12 @@ def random_batches(count, batch_size, block_size, vocab_size, seed, device):
     return [(t[:, :-1].contiguous().to(device), t[:, 1:].contiguous().to(device)) for t in tokens]
 
 
-def autocast_context(device, dtype):
-    if dtype == "bfloat16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 def make_optimizer(model, device):
     return model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), device.type)
 
 
 def train_step(model, optimizer, x, y, ctx):
-    """One training step as train.py takes it; `model` may be the compiled wrapper of the model
-    that `optimizer` holds. Returns the loss (detached)."""
+    """One training step as train.py takes it; `model` may be the compiled form of the optimizer's model."""
     with ctx:
         _, loss = model(x, y)
     loss.backward()
@@ -170,13 +138,27 @@ def train_step(model, optimizer, x, y, ctx):
     return loss.detach()
 
 
+class Variant:
+    """A model, its optimizer and what a step calls (the model or its compiled form), built once."""
+
+    def __init__(self, model, optimizer, runner):
+        self.model, self.optimizer, self.runner = model, optimizer, runner
+
+    def to(self, device):
+        """Weights and optimizer state to device (the compiled code stays valid for its device)."""
+        self.model.to(device)
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if torch.is_tensor(value):
+                    state[key] = value.to(device)
+
+
 # ----------------------------------------------------------------------------------------------
 # Measurements
 
 
 def saved_activation_bytes(model, x, y, ctx):
-    """Bytes autograd keeps for backward after one forward: unique storages of the saved tensors,
-    parameters excluded (they exist anyway)."""
+    """Bytes of the unique storages autograd saves for backward in one forward, parameters excluded."""
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages = {}
 
@@ -198,18 +180,13 @@ def state_bytes(model, optimizer):
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def rotated(names, round_index):
-    shift = round_index % len(names)
-    return names[shift:] + names[:shift]
-
-
 def interleaved_times(steps, rounds, warmup, device, desc):
-    """{name: [ms per measured round]}. Round r calls every step function as fn(r), in an order
-    rotated by r."""
+    """{name: [ms per measured round]}; round r calls every step function as fn(r), in an order rotated by r."""
     names = list(steps)
     times = {name: [] for name in names}
     for r in tqdm(range(rounds), desc=desc, leave=False):
-        for name in rotated(names, r):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
             synchronize(device)
             start = time.perf_counter()
             steps[name](r)
@@ -232,13 +209,16 @@ def summarise(times, baselines):
     return summary
 
 
+def blocks_and_whole(summary):
+    """(variant, its whole-model row, its "/blocks" row) for every variant compiled both ways."""
+    return [(name[:-len(BLOCKS_SUFFIX)], summary[name[:-len(BLOCKS_SUFFIX)]], row) for name, row in summary.items()
+            if name.endswith(BLOCKS_SUFFIX) and name[:-len(BLOCKS_SUFFIX)] in summary]
+
+
 def add_blocks_over_model(summary):
-    """Each "<name>/blocks" row gets blocks_over_model: the median per-round ratio of its step time to
-    "<name>"'s (the ratio of the medians where the two were timed in different groups)."""
-    for name, row in summary.items():
-        whole = summary.get(name[:-len(BLOCKS_SUFFIX)]) if name.endswith(BLOCKS_SUFFIX) else None
-        if whole is None:
-            continue
+    """blocks_over_model on each "/blocks" row: the median per-round ratio of its step time to the
+    whole-model compile's (the ratio of the medians where the two were timed in different groups)."""
+    for _, whole, row in blocks_and_whole(summary):
         if whole["timing_group"] == row["timing_group"]:
             row["blocks_over_model"] = statistics.median(b / m for b, m in zip(row["step_ms"], whole["step_ms"]))
         else:
@@ -249,43 +229,14 @@ def ratio(value, baseline_value):
     return value / baseline_value if value is not None and baseline_value else None
 
 
-def free_device_memory(device):
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-class Variant:
-    """One benchmarked model: its optimizer, and what a training step calls (the model, or its
-    compiled form). Built and compiled once; the memory probe and the timing share it."""
-
-    def __init__(self, model, optimizer, runner):
-        self.model, self.optimizer, self.runner = model, optimizer, runner
-
-    def to(self, device):
-        """Weights and optimizer state to device (the compiled code stays valid for its device)."""
-        self.model.to(device)
-        for state in self.optimizer.state.values():
-            for key, value in state.items():
-                if torch.is_tensor(value):
-                    state[key] = value.to(device)
-
-
-def build_variant(config, compile_mode, args, device):
-    model = build_models({"model": config}, args.seed, device)["model"]
-    runner = compile_model(model, compile_mode) if args.use_compile else model
-    return Variant(model, make_optimizer(model, device), runner)
-
-
 def measures_memory(device):
     """Whether bench_models measures each variant's peak memory (CUDA's allocator statistics)."""
     return device.type == "cuda"
 
 
 def step_memory(variant, batches, ctx, device):
-    """(state bytes, peak extra bytes of a step) of one variant alone on the GPU: its weights and
-    AdamW state, and the most a step allocates on top (max_memory_allocated, reset before each of
-    MEMORY_STEPS steps measured after one warm-up step, which compiles)."""
+    """(state bytes, peak extra bytes of a step) of one variant alone on the GPU: the most a step
+    allocates on top of the weights and AdamW state, over MEMORY_STEPS steps after one that compiles."""
     extra = 0
     for i in range(1 + MEMORY_STEPS):
         x, y = batches[i % len(batches)]
@@ -300,9 +251,8 @@ def step_memory(variant, batches, ctx, device):
 
 
 def timing_groups(names, baselines, memory, budget):
-    """Variants timed together. All of them when their states plus the largest step fit in the
-    budget; otherwise each variant with its baseline, so that every ratio still comes from
-    interleaved rounds in one group."""
+    """Variants timed together: all of them when their states plus the largest step fit in the budget,
+    else each variant with its baseline, so that every ratio still comes from one interleaved group."""
     def fits(group):
         return sum(memory[n][0] for n in group) + max(memory[n][1] for n in group) <= budget
 
@@ -321,28 +271,32 @@ def timing_groups(names, baselines, memory, budget):
     return groups or [list(names)]
 
 
-def bench_models(configs, baselines, args, device, compile_modes=None):
-    """Interleaved training steps of every variant: time, tokens/s, MFU and memory. Every variant
-    is built and compiled once (compile_modes: {name: "model" or "blocks"}, default args.compile_mode).
-    On CUDA each variant's memory is first measured alone, the others waiting in host memory; the
-    timing then runs in as few groups as fit on the GPU."""
+def to_host(variants, device):
+    """Weights and optimizer state of `variants` to host memory, freeing the device's."""
+    for variant in variants:
+        variant.to(torch.device("cpu"))
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def bench_models(configs, baselines, compile_modes, args, device):
+    """Time, tokens/s, MFU and memory of every variant, built and compiled once. On CUDA each variant's
+    memory is measured alone first; the timing then runs in as few groups as fit on the GPU."""
     measure = measures_memory(device)
-    compile_modes = compile_modes or {name: args.compile_mode for name in configs}
     batches = random_batches(NUM_BATCHES, args.batch_size, args.block_size, args.vocab_size, args.seed, device)
-    ctx = autocast_context(device, args.dtype)
-    host = torch.device("cpu")
+    ctx = autocast_context(args, device)[1]
     variants, memory = {}, {}
     for name in tqdm(configs, desc="build" + (", memory one variant at a time" if measure else ""), leave=False):
-        variants[name] = build_variant(configs[name], compile_modes[name], args, device)
+        model = build_models({name: configs[name]}, args.seed, device)[name]
+        runner = compile_model(model, compile_modes[name]) if args.use_compile else model
+        variants[name] = Variant(model, make_optimizer(model, device), runner)
         if measure:
             memory[name] = step_memory(variants[name], batches, ctx, device)
-            variants[name].to(host)
-            free_device_memory(device)
+            to_host([variants[name]], device)
     budget = MEMORY_BUDGET_FRACTION * torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else math.inf
     groups = timing_groups(list(configs), baselines, memory, budget)
-    x, y = batches[0]
     tokens_per_step = args.batch_size * args.block_size
-    peak = peak_flops(args, device)
     summary = {}
     for index, group in enumerate(groups):
         for name in group:
@@ -350,8 +304,7 @@ def bench_models(configs, baselines, args, device, compile_modes=None):
 
         def step_of(variant):
             def step(r):
-                x, y = batches[r % len(batches)]
-                train_step(variant.runner, variant.optimizer, x, y, ctx)
+                train_step(variant.runner, variant.optimizer, *batches[r % len(batches)], ctx)
             return step
 
         desc = "train steps" + (f", group {index + 1}/{len(groups)}" if len(groups) > 1 else "")
@@ -360,136 +313,23 @@ def bench_models(configs, baselines, args, device, compile_modes=None):
         for name, row in summarise(times, baselines).items():
             if name in summary:
                 continue  # a baseline timed again in a later group keeps its first row
-            model, config = variants[name].model, configs[name]
+            model, config, seconds = variants[name].model, configs[name], row["median_ms"] / 1000
             row.update(residual=config.residual, n_streams=config.n_streams, mhclite_perms=config.mhclite_perms,
                        recompute=config.recompute_connections, stream_dtype=config.stream_dtype,
                        fused_connections=config.fused_connections, compile_mode=compile_modes[name],
-                       params=model.get_num_params(), timing_group=index,
-                       tokens_per_s=tokens_per_step / (row["median_ms"] / 1000),
-                       mfu=model.estimate_mfu(tokens_per_step, row["median_ms"] / 1000, peak) if peak else None,
-                       saved_activation_bytes=saved_activation_bytes(model, x, y, ctx),
+                       params=model.get_num_params(), timing_group=index, tokens_per_s=tokens_per_step / seconds,
+                       mfu=model.estimate_mfu(tokens_per_step, seconds, args.peak) if args.peak else None,
+                       saved_activation_bytes=saved_activation_bytes(model, *batches[0], ctx),
                        cuda_peak_bytes=sum(memory[name]) if measure else None,
                        connections=model.connection_path(device))
             summary[name] = row
         if measure:
-            for name in group:
-                variants[name].to(host)
-            free_device_memory(device)
+            to_host([variants[name] for name in group], device)
     summary = {name: summary[name] for name in configs}
     for name, row in summary.items():
         base = summary.get(baselines.get(name), {})
         row["activation_ratio"] = ratio(row["saved_activation_bytes"], base.get("saved_activation_bytes"))
         row["cuda_peak_ratio"] = ratio(row["cuda_peak_bytes"], base.get("cuda_peak_bytes"))
-    return summary
-
-
-def peak_flops(args, device):
-    """Dense bf16 peak FLOP/s of the GPU for MFU (or --peak_flops); None on CPU or unknown GPUs."""
-    if args.peak_flops is not None:
-        return args.peak_flops
-    if device.type != "cuda" or args.dtype != "bfloat16":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_FLOPS if key in name), None)
-
-
-def half(u):
-    """The cheap stand-in branch of the connection micro-benchmark."""
-    return 0.5 * u
-
-
-def connection_module(config):
-    """The connection module of wrapper 0 of a model built from config."""
-    module = RESIDUALS[config.residual]
-    return module(config.n_embd, config.n_streams, 0, recompute=config.recompute_connections,
-                  **connection_options(config))
-
-
-def connection_step(module, x, grad, ctx, fused):
-    """A step function: the module's forward on x with the cheap branch (through the fused kernels
-    when asked for and they can run here), and its backward."""
-    inputs = [x, *module.parameters()]
-    forward = module
-    if fused:
-        import fused as kernels
-        if kernels.supported(module, x):
-            forward = functools.partial(kernels.connection_forward, module)
-
-    def step(r):
-        with ctx:
-            y = forward(x, half)
-        torch.autograd.grad(y, inputs, grad)
-
-    return step
-
-
-def micro_connections(configs, args, device):
-    """Each variant's connection module alone, forward + backward at the model's (B, T, n, C)."""
-    generator = torch.Generator().manual_seed(args.seed)
-    ctx = autocast_context(device, args.dtype)
-    steps, paths = {}, {}
-    for name, config in configs.items():
-        shape = (args.batch_size, args.block_size, config.n_streams, config.n_embd)
-        dtype = STREAM_DTYPES[config.stream_dtype] if config.residual in HC_FAMILY else torch.float32
-        x = torch.randn(shape, generator=generator).to(device, dtype).requires_grad_()
-        grad = torch.randn(shape, generator=generator).to(device, dtype)
-        module = connection_module(config).to(device)
-        steps[name] = connection_step(module, x, grad, ctx, config.fused_connections)
-        paths[name] = connection_path(config, module, device)
-    times = interleaved_times(steps, args.warmup + args.steps, args.warmup, device, "micro: connections")
-    summary = summarise(times, {name: "res" for name in configs})
-    for name, row in summary.items():
-        row["connections"] = paths[name]
-    return summary
-
-
-def h_res_steps(n, rows, iters, seed, device):
-    """fwd + bwd of mhc's H_res (Sinkhorn on (rows, n, n) logits) and of mhclite's (softmax over
-    (rows, n!) logits, weighting the permutation matrices as residuals.py does)."""
-    generator = torch.Generator().manual_seed(seed)
-    mhc_logits = torch.randn(rows, n, n, generator=generator).to(device).requires_grad_()
-    perms = permutation_matrices(n).flatten(1).to(device)
-    lite_logits = torch.randn(rows, perms.shape[0], generator=generator).to(device).requires_grad_()
-    grad = torch.randn(rows, n, n, generator=generator).to(device)
-
-    def mhc(r):
-        torch.autograd.grad(sinkhorn(mhc_logits, iters), mhc_logits, grad)
-
-    def mhclite(r):
-        h_res = (torch.softmax(lite_logits, dim=-1).unsqueeze(-1) * perms).sum(-2).unflatten(-1, (n, n))
-        torch.autograd.grad(h_res, lite_logits, grad)
-
-    return {"mhc": mhc, "mhclite": mhclite}
-
-
-def count_ops(fn, device):
-    """Kernels launched by fn on CUDA; on CPU the top-level aten ops (those not called by another
-    aten op), forward and backward."""
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        fn(0)
-        synchronize(device)
-    events = prof.events()
-    if device.type == "cuda":
-        return sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-
-    def top_level(event):
-        parent = event.cpu_parent
-        while parent is not None:
-            if parent.name.startswith("aten::"):
-                return False
-            parent = parent.cpu_parent
-        return True
-
-    return sum(1 for e in events if e.name.startswith("aten::") and top_level(e))
-
-
-def micro_h_res(args, device, n, iters):
-    steps = h_res_steps(n, args.batch_size * args.block_size, iters, args.seed, device)
-    times = interleaved_times(steps, args.warmup + args.steps, args.warmup, device, "micro: H_res")
-    summary = summarise(times, {"mhc": "mhclite", "mhclite": "mhclite"})
-    for name, fn in steps.items():
-        summary[name]["ops"] = count_ops(fn, device)
     return summary
 
 
@@ -508,9 +348,7 @@ def markdown_table(header, rows):
 
 def model_table(summary, baseline_label, cuda):
     header = ["variant", "params M", "ms", "IQR ms", "tokens/s", "MFU", f"x {baseline_label}",
-              "act MB", f"act x {baseline_label}"]
-    if cuda:
-        header += ["peak MB", f"peak x {baseline_label}"]
+              "act MB", f"act x {baseline_label}"] + (["peak MB", f"peak x {baseline_label}"] if cuda else [])
     rows = []
     for name, r in summary.items():
         row = [name, fmt(r["params"] / 1e6, ".2f"), fmt(r["median_ms"], ".1f"), fmt(r["iqr_ms"], ".1f"),
@@ -522,19 +360,6 @@ def model_table(summary, baseline_label, cuda):
     return markdown_table(header, rows)
 
 
-def connection_table(summary):
-    rows = [[name, fmt(r["median_ms"], ".3f"), fmt(r["iqr_ms"], ".3f"), fmt(r["time_ratio"], ".2f")]
-            for name, r in summary.items()]
-    return markdown_table(["connection alone (fwd+bwd)", "ms", "IQR ms", "x res"], rows)
-
-
-def h_res_table(summary, n, rows_count, iters):
-    rows = [[f"{name}: " + (f"sinkhorn, {iters} iters" if name == "mhc" else f"softmax-weighted sum of {math.factorial(n)} permutations"),
-             fmt(r["median_ms"], ".3f"), fmt(r["iqr_ms"], ".3f"), str(r["ops"]), fmt(r["time_ratio"], ".2f")]
-            for name, r in summary.items()]
-    return markdown_table([f"H_res alone, {rows_count} x n={n} (fwd+bwd)", "ms", "IQR ms", "ops", "x mhclite"], rows)
-
-
 def connections_line(summary):
     """Which code ran each variant's connections: fused kernels or residuals.py, and why."""
     return "connections: " + "; ".join(f"{name} {r['connections']['path']} ({r['connections']['why']})"
@@ -543,22 +368,26 @@ def connections_line(summary):
 
 def blocks_table(summary):
     """Compiled step time by blocks against the whole-model compile of the same variant."""
-    rows = []
-    for name, row in summary.items():
-        whole = summary.get(name[:-len(BLOCKS_SUFFIX)]) if name.endswith(BLOCKS_SUFFIX) else None
-        if whole is not None:
-            rows.append([name[:-len(BLOCKS_SUFFIX)], fmt(whole["median_ms"], ".1f"), fmt(row["median_ms"], ".1f"),
-                         fmt(row["blocks_over_model"], ".3f")])
+    rows = [[name, fmt(whole["median_ms"], ".1f"), fmt(row["median_ms"], ".1f"), fmt(row["blocks_over_model"], ".3f")]
+            for name, whole, row in blocks_and_whole(summary)]
     return markdown_table(["variant", "whole model ms", "blocks ms", "blocks / whole model"], rows)
 
 
-def environment(argv, device):
+def environment(argv, device, script="bench.py"):
+    """The command line and the machine, for a result's JSON."""
     name = (torch.cuda.get_device_name(device) if device.type == "cuda"
             else f"cpu ({platform.machine()}, {torch.backends.cpu.get_cpu_capability()})")
-    return dict(command=shlex.join(["python", "bench.py", *argv]), argv=argv,
+    return dict(command=shlex.join(["python", script, *argv]), argv=argv,
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 torch=torch.__version__, python=platform.python_version(), device=device.type, device_name=name,
                 cpu_count=os.cpu_count(), torch_threads=torch.get_num_threads())
+
+
+def write_json(result, path):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {path}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -569,20 +398,20 @@ def int_list(text):
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
+        values = []
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got '{text}'")
     return values
 
 
-MODEL_FLAGS = {  # the flags that choose the models and batches; scripts/compile_time.py shares them
+SHARED_FLAGS = {  # the models, batches and rounds; scripts/compile_time.py and scripts/micro_bench.py share them
     "--size": dict(default="tiny", help="tiny, S, M or L"),
     "--batch_size": dict(type=int, help="default 8 for tiny, 16 otherwise"),
     "--block_size": dict(type=int, help="default 128 for tiny, 1024 otherwise"),
-    "--device": dict(default="auto", choices=["auto", "cpu", "cuda"]),
+    "--device": dict(default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda when available"),
     "--dtype": dict(default="auto", choices=["auto", "float32", "bfloat16"],
                     help="autocast dtype; auto: bfloat16 on cuda (train.py's default), float32 on cpu"),
-    "--residuals": dict(default="res,hc,mhc,mhclite"),
+    "--residuals": dict(default="res,hc,mhc,mhclite", help="the variants, comma-separated"),
     "--recompute": dict(default="both", choices=["both", "on", "off"],
                         help="recompute_connections for the HC family; both: a row with and without"),
     "--stream_dtype": dict(default="float32", choices=["float32", "bfloat16"],
@@ -591,32 +420,30 @@ MODEL_FLAGS = {  # the flags that choose the models and batches; scripts/compile
                                 help="Triton kernels (the fused package) for the HC family where they can run "
                                      "(CUDA; on CPU under TRITON_INTERPRET=1 in the interpreter: a dry run whose "
                                      "step times mean nothing)"),
-    "--vocab_size": dict(type=int, default=50304),
-    "--seed": dict(type=int, default=0),
+    "--vocab_size": dict(type=int, default=50304, help="of the random tokens and the model"),
+    "--steps": dict(type=int, default=20, help="measured rounds"),
+    "--warmup": dict(type=int, default=3, help="unmeasured rounds first"),
+    "--seed": dict(type=int, default=0, help="of the models' init and the random data"),
 }
 
 
-def add_model_flag(parser, flag):
-    parser.add_argument(flag, **MODEL_FLAGS[flag])
+def add_shared_flag(parser, flag):
+    parser.add_argument(flag, **SHARED_FLAGS[flag])
 
 
 def parse_args(argv):
-    moved = next((flag for flag in argv if flag.split("=")[0] in MOVED_FLAGS), None)
+    moved = next((flag.split("=")[0] for flag in argv if flag.split("=")[0] in MOVED_FLAGS), None)
     if moved:
-        raise BenchError(f"{moved.split('=')[0]} moved out of bench.py: use {MOVED_FLAGS[moved.split('=')[0]]}")
+        raise BenchError(f"{moved} moved out of bench.py: use {MOVED_FLAGS[moved]}")
     parser = argparse.ArgumentParser(description="Side-by-side benchmark of res, hc, mhc and mhclite.",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for flag in MODEL_FLAGS:
-        add_model_flag(parser, flag)
+    for flag in SHARED_FLAGS:
+        add_shared_flag(parser, flag)
     parser.add_argument("--compile", default="auto", nargs="?", const="on", choices=["auto", "on", "off"],
                         help="torch.compile every model; auto: on for cuda, off on cpu")
     parser.add_argument("--compile_mode", default=DEFAULT_COMPILE_MODE, choices=[*COMPILE_MODES, "both"],
                         help="what torch.compile compiles: the whole model, or each transformer block and the head "
                              "(regional: one compiled block serves every layer); both: a row for each")
-    parser.add_argument("--steps", type=int, default=20, help="measured rounds")
-    parser.add_argument("--warmup", type=int, default=3, help="unmeasured rounds first")
-    parser.add_argument("--micro", action=argparse.BooleanOptionalAction, default=True,
-                        help="micro-benchmarks: one connection module, and H_res construction alone")
     parser.add_argument("--n_sweep", type=int_list, help="stream counts n: mhclite vs mhc per n (e.g. 4,6,8)")
     parser.add_argument("--k_sweep", type=int_list, default=[8, 32, 128],
                         help="mhclite permutation budgets K for --n_sweep (K <= n!; all n! added for n <= 5)")
@@ -625,8 +452,8 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
-def resolve_model_flags(args):
-    """Checks MODEL_FLAGS' values and fills in the derived ones (or raises BenchError)."""
+def resolve_shared_flags(args):
+    """Checks the SHARED_FLAGS a script has and fills in the derived settings (or raises BenchError)."""
     try:
         args.shape = model_shape(args.size)
     except ValueError as e:
@@ -634,15 +461,14 @@ def resolve_model_flags(args):
     default_batch, default_block = DEFAULT_BATCH_BLOCK.get(args.size, PAPER_BATCH_BLOCK)
     args.batch_size = default_batch if args.batch_size is None else args.batch_size
     args.block_size = default_block if args.block_size is None else args.block_size
-    for key in ("batch_size", "block_size", "steps", "vocab_size"):
-        if getattr(args, key) < 1:
-            raise BenchError(f"--{key} must be >= 1, got {getattr(args, key)}")
+    for key, least in (("batch_size", 1), ("block_size", 1), ("steps", 1), ("vocab_size", 1), ("warmup", 0)):
+        if getattr(args, key, least) < least:
+            raise BenchError(f"--{key} must be >= {least}, got {getattr(args, key)}")
     args.residual_list = list(dict.fromkeys(r.strip() for r in args.residuals.split(",") if r.strip()))
-    for residual in args.residual_list:
-        if residual not in RESIDUALS:
-            raise BenchError(f"unknown residual '{residual}'; valid: {', '.join(RESIDUALS)}")
-    if not args.residual_list:
-        raise BenchError(f"--residuals is empty; valid: {', '.join(RESIDUALS)}")
+    unknown = [r for r in args.residual_list if r not in RESIDUALS]
+    if unknown or not args.residual_list:
+        problem = f"unknown residual '{unknown[0]}'" if unknown else "--residuals is empty"
+        raise BenchError(f"{problem}; valid: {', '.join(RESIDUALS)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise BenchError("--device cuda but no CUDA device is available")
     args.device_type = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -650,21 +476,22 @@ def resolve_model_flags(args):
         args.dtype = "bfloat16" if args.device_type == "cuda" else "float32"
     if args.device_type == "cuda" and args.dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
         raise BenchError("this GPU does not support bfloat16; use --dtype float32")
+    args.interpret_on_cpu = (args.fused_connections == "on" and args.device_type == "cpu"
+                             and os.environ.get("TRITON_INTERPRET") == "1")
+    if args.interpret_on_cpu:
+        import fused
+        fused.INTERPRET_ON_CPU = True  # a dry run: inductor's work around the kernels is real, times are not
     return args
 
 
 def resolve(args):
     """Checks the settings and fills in the derived ones (or raises BenchError)."""
-    resolve_model_flags(args)
-    if args.warmup < 0:
-        raise BenchError(f"--warmup must be >= 0, got {args.warmup}")
+    resolve_shared_flags(args)
     args.use_compile = args.compile == "on" or (args.compile == "auto" and args.device_type == "cuda")
-    if args.fused_connections == "on" and args.device_type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
-        import fused
-        fused.INTERPRET_ON_CPU = True  # a dry run: inductor's work around the kernels is real, times are not
     args.compile_modes = list(COMPILE_MODES) if args.compile_mode == "both" else [args.compile_mode]
     if args.compile_mode == "both" and args.n_sweep:
         raise BenchError("--compile_mode both compares the --residuals variants; run it without --n_sweep")
+    args.peak = peak_flops(args, torch.device(args.device_type), args.dtype)
     if args.json is None:
         suffix = ("-compiled" if args.use_compile else "") + ("-sweep" if args.n_sweep else "")
         args.json = os.path.join("out", "bench", f"{args.size}-{args.device_type}-{args.dtype}{suffix}.json")
@@ -672,53 +499,38 @@ def resolve(args):
 
 
 def run(args, argv):
-    device = torch.device(args.device_type)
+    device, cuda = torch.device(args.device_type), args.device_type == "cuda"
     common = dict(shape=args.shape, block_size=args.block_size, vocab_size=args.vocab_size,
                   stream_dtype=args.stream_dtype, fused_connections=args.fused_connections == "on")
     result = environment(argv, device)
     result["settings"] = dict(size=args.size, **args.shape, batch_size=args.batch_size, block_size=args.block_size,
                               tokens_per_step=args.batch_size * args.block_size, dtype=args.dtype,
                               compile=args.use_compile, compile_mode=args.compile_mode, steps=args.steps,
-                              warmup=args.warmup,
-                              recompute=args.recompute, stream_dtype=args.stream_dtype,
-                              fused_connections=args.fused_connections == "on", vocab_size=args.vocab_size, seed=args.seed,
-                              peak_flops=peak_flops(args, device))
+                              warmup=args.warmup, recompute=args.recompute, stream_dtype=args.stream_dtype,
+                              fused_connections=args.fused_connections == "on", vocab_size=args.vocab_size,
+                              seed=args.seed, peak_flops=args.peak)
     title = (f"{args.size} ({args.shape['n_layer']}L, {args.shape['n_embd']}d), batch {args.batch_size} x "
-             f"{args.block_size}, {args.dtype}, "
-             f"{f'compiled ({args.compile_mode})' if args.use_compile else 'eager'}, HC streams "
-             f"{args.stream_dtype}, fused connections {args.fused_connections}, "
+             f"{args.block_size}, {args.dtype}, {f'compiled ({args.compile_mode})' if args.use_compile else 'eager'}, "
+             f"HC streams {args.stream_dtype}, fused connections {args.fused_connections}, "
              f"{result['device_name']}, torch {torch.__version__}, {args.steps} rounds after {args.warmup} warm-up")
-    cuda = device.type == "cuda"
     if args.n_sweep:
         configs, baselines = sweep_variants(args.n_sweep, args.k_sweep, args.recompute, **common)
-        result["mode"], result["baseline"] = "n_sweep", "mhc with the same n"
-        result["variants"] = bench_models(configs, baselines, args, device)
-        print(f"## n/K sweep: mhclite vs mhc, {title}\n\n{model_table(result['variants'], 'mhc', cuda)}\n")
-        print(connections_line(result["variants"]) + "\n")
+        modes = {name: args.compile_mode for name in configs}
+        result.update(mode="n_sweep", baseline="mhc with the same n")
+        heading, baseline_label = "n/K sweep: mhclite vs mhc", "mhc"
     else:
         configs, modes = with_compile_modes(main_variants(args.residual_list, args.recompute, **common),
                                             args.compile_modes if args.use_compile else COMPILE_MODES[:1])
-        result["mode"], result["baseline"] = "variants", "res"
-        result["variants"] = bench_models(configs, same_mode_baselines(configs, "res"), args, device, modes)
-        print(f"## Training step, {title}\n\n{model_table(result['variants'], 'res', cuda)}\n")
-        print(connections_line(result["variants"]) + "\n")
-        if len(set(modes.values())) > 1:
-            add_blocks_over_model(result["variants"])
-            print(f"## Compiled block by block against the whole model\n\n{blocks_table(result['variants'])}\n")
-        if args.micro:
-            configs = main_variants(args.residual_list, args.recompute, **common)
-            result["micro"] = {"connections": micro_connections(configs, args, device)}
-            print(f"## Micro: one connection module, branch 0.5*u\n\n{connection_table(result['micro']['connections'])}\n")
-            n, iters = GPTConfig.n_streams, GPTConfig.sinkhorn_iters
-            h_res = micro_h_res(args, device, n, iters)
-            result["micro"]["h_res"] = dict(n_streams=n, rows=args.batch_size * args.block_size, sinkhorn_iters=iters,
-                                            **h_res, mhc_over_mhclite_time=h_res["mhc"]["time_ratio"],
-                                            mhc_over_mhclite_ops=h_res["mhc"]["ops"] / h_res["mhclite"]["ops"])
-            print(f"## Micro: H_res construction\n\n{h_res_table(h_res, n, args.batch_size * args.block_size, iters)}\n")
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.json}")
+        baselines = same_mode_baselines(configs, "res")
+        result.update(mode="variants", baseline="res")
+        heading, baseline_label = "Training step", "res"
+    result["variants"] = bench_models(configs, baselines, modes, args, device)
+    print(f"## {heading}, {title}\n\n{model_table(result['variants'], baseline_label, cuda)}\n")
+    print(connections_line(result["variants"]) + "\n")
+    if len(set(modes.values())) > 1:
+        add_blocks_over_model(result["variants"])
+        print(f"## Compiled block by block against the whole model\n\n{blocks_table(result['variants'])}\n")
+    write_json(result, args.json)
 
 
 def main(argv=None):

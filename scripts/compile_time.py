@@ -14,7 +14,6 @@ JSON to --json (default out/bench/<size>-<device>-<dtype>-compile-time.json).
 import argparse
 import concurrent.futures
 import contextlib
-import json
 import multiprocessing
 import os
 import statistics
@@ -28,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bench  # noqa: E402
 from model import COMPILE_MODES, DEFAULT_COMPILE_MODE, compile_model  # noqa: E402
-from train import synchronize  # noqa: E402
+from train import autocast_context, synchronize  # noqa: E402
 
 
 def compile_probe(args, name):
@@ -42,7 +41,7 @@ def compile_probe(args, name):
     compiled = compile_model(model, modes[name])
     batches = bench.random_batches(bench.NUM_BATCHES, args.batch_size, args.block_size, args.vocab_size, args.seed,
                                    device)
-    ctx = bench.autocast_context(device, args.dtype)
+    ctx = autocast_context(args, device)[1]
     times = []
     for i in range(1 + args.steps):
         x, y = batches[i % len(batches)]
@@ -112,7 +111,7 @@ def parse_args(argv):
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for flag in ("--size", "--batch_size", "--block_size", "--device", "--dtype", "--residuals", "--recompute",
                  "--stream_dtype", "--fused_connections", "--vocab_size", "--seed"):
-        bench.add_model_flag(parser, flag)
+        bench.add_shared_flag(parser, flag)
     parser.add_argument("--compile_mode", default=DEFAULT_COMPILE_MODE, choices=[*COMPILE_MODES, "both"],
                         help="what torch.compile compiles; both: a row for each")
     parser.add_argument("--steps", type=int, default=5, help="ordinary compiled steps timed after the first")
@@ -124,22 +123,17 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     try:
-        bench.resolve_model_flags(args)
+        bench.resolve_shared_flags(args)
     except bench.BenchError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     args.compile_modes = list(COMPILE_MODES) if args.compile_mode == "both" else [args.compile_mode]
-    args.interpret_on_cpu = (args.fused_connections == "on" and args.device_type == "cpu"
-                             and os.environ.get("TRITON_INTERPRET") == "1")
     json_path = args.json or os.path.join("out", "bench", f"{args.size}-{args.device_type}-{args.dtype}-compile-time.json")
-    result = dict(bench.environment(argv, torch.device(args.device_type)), compile_time=compile_times(args))
-    result["command"] = " ".join(["python", "scripts/compile_time.py", *argv])
+    result = dict(bench.environment(argv, torch.device(args.device_type), "scripts/compile_time.py"),
+                  compile_time=compile_times(args))
     print(f"## Compile time: cold (fresh process and inductor cache per variant), then warm (a second "
           f"process on that cache)\n\n{compile_table(result['compile_time'])}\n")
-    os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
-    with open(json_path, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {json_path}")
+    bench.write_json(result, json_path)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@
 # Stages, in the order they run (all of them when none is named):
 #   tests    ~4.5 min  CUDA tests of the default path (fp32 streams, torch connections), then the fast CPU
 #                      tests here, so that a torch/triton version difference shows in the first minutes
-#   bench    ~3.5 min  bench.py --size M for res and mhclite with its defaults (recompute rows, micro-benchmarks)
+#   bench    ~3.5 min  bench.py --size M for res and mhclite with its defaults (recompute rows), then
+#                      scripts/micro_bench.py (one connection module alone, H_res construction alone)
 #   train    ~4 min    20 training steps of every variant at M on random tokens, compiled block by block
 #                      (the first step's time is the cold compile of that mode)
 #   options  ~5.5 min  CUDA tests with bf16 streams; bench.py --size M for res and mhclite with bf16 streams,
@@ -34,7 +35,7 @@ while [ $# -gt 0 ]; do
         --device) DEVICE=${2:?--device needs cuda or cpu}; shift 2 ;;
         --size) SIZE=${2:?--size needs M or tiny}; shift 2 ;;
         --out) OUT=${2:?--out needs a folder}; shift 2 ;;
-        -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         -*) echo "error: unknown option '$1'; valid: --device, --size, --out" >&2; exit 2 ;;
         *) [ -n "${ESTIMATE_MIN[$1]:-}" ] || { echo "error: unknown stage '$1'; valid: ${STAGES[*]}" >&2; exit 2; }
            requested+=("$1"); shift ;;
@@ -57,11 +58,11 @@ if [ "$DEVICE" = cuda ] && ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torc
 fi
 if [ "$SIZE" = M ]; then
     # The paper's shape: bench.py's defaults (16 x 1024, 20 rounds after 3 warm-up), train.py at batch 16.
-    export BENCH_ARGS="" KERNEL_ARGS="" TRAIN_ARGS="--batch_size=16 --max_iters=20 --warmup_iters=5 --eval_interval=20 --log_interval=5"
+    export BENCH_ARGS="" MICRO_ARGS="" KERNEL_ARGS="" TRAIN_ARGS="--batch_size=16 --max_iters=20 --warmup_iters=5 --eval_interval=20 --log_interval=5"
     export CPU_TESTS=tests INTERPRET=0
 else
     export KERNEL_ARGS="--batch_size 2 --block_size 32 --steps 2 --warmup 1"
-    export BENCH_ARGS="$KERNEL_ARGS --vocab_size 512"
+    export BENCH_ARGS="$KERNEL_ARGS --vocab_size 512" MICRO_ARGS=$KERNEL_ARGS
     export TRAIN_ARGS="--batch_size=2 --block_size=32 --max_iters=4 --warmup_iters=1 --eval_interval=4 --log_interval=2"
     export CPU_TESTS=tests/test_gpu_check.py::test_usage_errors_exit_2 INTERPRET=1  # CI runs all the others
 fi
@@ -76,6 +77,8 @@ stage_tests() {
 
 stage_bench() {
     "$PYTHON" bench.py --size "$SIZE" --device "$DEVICE" --residuals res,mhclite $BENCH_ARGS --json "$OUT/bench.json"
+    "$PYTHON" scripts/micro_bench.py --size "$SIZE" --device "$DEVICE" --residuals res,mhclite $MICRO_ARGS \
+        --json "$OUT/micro.json"
 }
 
 stage_train() {
@@ -94,7 +97,7 @@ stage_options() {
     for option in "--stream_dtype bfloat16" "--fused_connections on --stream_dtype bfloat16"; do
         name=$(echo "$option" | tr -d '-' | tr ' ' '_')
         TRITON_INTERPRET=$INTERPRET "$PYTHON" bench.py --size "$SIZE" --device "$DEVICE" --residuals res,mhclite \
-            --recompute off --no-micro $option $BENCH_ARGS --json "$OUT/bench-$name.json"
+            --recompute off $option $BENCH_ARGS --json "$OUT/bench-$name.json"
     done
 }
 

@@ -78,13 +78,6 @@ def test_saved_activations_exclude_parameters_and_count_shared_storage_once():
     assert bench.saved_activation_bytes(Model(), x, None, contextlib.nullcontext()) == expected
 
 
-def test_sinkhorn_launches_more_ops_than_mhclite():
-    steps = bench.h_res_steps(4, 32, 20, SEED, DEVICE)
-    ops = {name: bench.count_ops(fn, DEVICE) for name, fn in steps.items()}
-    assert 0 < ops["mhclite"] < ops["mhc"]
-    assert ops["mhc"] >= 4 * 20  # per iteration at least two logsumexps and two subtractions
-
-
 def test_interleaving_rotates_the_order_every_round():
     calls = []
     steps = {name: (lambda r, name=name: calls.append((r, name))) for name in "abc"}
@@ -115,15 +108,11 @@ def test_main_writes_every_variant_with_ratios_to_res(tmp_path, capsys):
         assert len(row["step_ms"]) == 2 and row["time_ratio"] > 0 and row["activation_ratio"] > 0
         assert row["mfu"] is None and row["cuda_peak_bytes"] is None  # CPU
     assert result["variants"]["mhc+recompute"]["activation_ratio"] < result["variants"]["mhc"]["activation_ratio"]
-    assert list(result["micro"]["connections"]) == names
-    assert result["micro"]["connections"]["res"]["time_ratio"] == 1.0
-    h_res = result["micro"]["h_res"]
-    assert h_res["mhc"]["ops"] > h_res["mhclite"]["ops"] > 0
     assert result["command"].startswith("python bench.py --size tiny")
     for key in ("torch", "device_name", "cpu_count", "torch_threads", "date"):
         assert result[key]
     printed = capsys.readouterr().out
-    assert "| mhclite+recompute |" in printed and "H_res construction" in printed
+    assert "| mhclite+recompute |" in printed and "## Training step, tiny" in printed
 
 
 @pytest.mark.slow
@@ -139,7 +128,6 @@ def test_n_sweep_compares_mhclite_budgets_to_mhc_per_n(tmp_path):
     assert rows["mhclite n=6 K=8"]["n_streams"] == 6 and rows["mhclite n=6 K=8"]["mhclite_perms"] == 8
     assert rows["mhclite n=3 K=6"]["mhclite_perms"] is None
     assert all(r["time_ratio"] > 0 and r["activation_ratio"] > 0 for r in rows.values())
-    assert "micro" not in result
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -147,6 +135,9 @@ def test_n_sweep_compares_mhclite_budgets_to_mhc_per_n(tmp_path):
     (["--size", "XL"], "error: unknown size 'XL'"),
     (["--steps", "0"], "error: --steps must be >= 1"),
     (["--n_sweep", "6", "--k_sweep", "800"], "error: no mhclite permutation budget K <= 6! = 720"),
+    (["--warmup", "-1"], "error: --warmup must be >= 0"),
+    (["--no-micro"], "error: --no-micro moved out of bench.py: use python scripts/micro_bench.py"),
+    (["--micro"], "error: --micro moved out of bench.py: use python scripts/micro_bench.py"),
 ])
 def test_bad_input_is_one_error_line(flags, message, tmp_path, capsys):
     assert one_error_line(bench.main, SMALL_FLAGS + flags + ["--json", str(tmp_path / "x.json")],
@@ -196,7 +187,7 @@ def test_memory_probe_and_timing_share_one_compile_per_variant(monkeypatch, tmp_
     monkeypatch.setattr(bench, "measures_memory", lambda device: True)
     monkeypatch.setattr(bench, "step_memory", probe)
     out = tmp_path / "bench.json"
-    bench.main(SMALL_FLAGS + ["--residuals", "res,mhclite", "--recompute", "off", "--no-micro", "--compile", "on",
+    bench.main(SMALL_FLAGS + ["--residuals", "res,mhclite", "--recompute", "off", "--compile", "on",
                               "--compile_mode", "both", "--json", str(out)])
     rows = json.loads(out.read_text())["variants"]
     assert list(rows) == ["res", "res/blocks", "mhclite", "mhclite/blocks"]
@@ -208,8 +199,7 @@ def test_memory_probe_and_timing_share_one_compile_per_variant(monkeypatch, tmp_
 
 def test_bench_runs_bfloat16_streams_for_the_hc_family_only(tmp_path):
     out = tmp_path / "bench.json"
-    bench.main(SMALL_FLAGS + ["--residuals", "res,mhclite", "--recompute", "off", "--no-micro",
-                              "--stream_dtype", "bfloat16", "--json", str(out)])
+    bench.main(SMALL_FLAGS + ["--residuals", "res,mhclite", "--recompute", "off", "--stream_dtype", "bfloat16", "--json", str(out)])
     rows = json.loads(out.read_text())["variants"]
     assert rows["res"]["stream_dtype"] == "float32" and rows["mhclite"]["stream_dtype"] == "bfloat16"
     assert rows["mhclite"]["time_ratio"] > 0

@@ -31,8 +31,7 @@ def test_random_data_trains_and_the_table_reports_every_variant(tmp_path):
                     "--gradient_accumulation_steps=1", "--max_iters=6", "--warmup_iters=2", "--eval_interval=6",
                     "--eval_iters=1", "--log_interval=2", "--device=cpu", "--compile=false"])
     bench.main(["--size", "tiny", "--device", "cpu", "--batch_size", "2", "--block_size", "32", "--steps", "2",
-                "--warmup", "1", "--residuals", "res,mhclite", "--recompute", "off", "--no-micro",
-                "--json", str(tmp_path / "bench.json")])
+                "--warmup", "1", "--residuals", "res,mhclite", "--recompute", "off", "--json", str(tmp_path / "bench.json")])
     result = run_script("table", str(tmp_path))
     assert result.returncode == 0, result.stderr
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
@@ -72,7 +71,7 @@ def test_cpu_dry_run_runs_every_stage_and_the_summary_comes_last(tmp_path):
     statuses = stage_statuses(summary)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert set(statuses.values()) == {"ok"}
-    for name in ["bench.json", "kernels.json", "bench-stream_dtype_bfloat16.json", "bench-fused_connections_on_stream_dtype_bfloat16.json",
+    for name in ["bench.json", "micro.json", "kernels.json", "bench-stream_dtype_bfloat16.json", "bench-fused_connections_on_stream_dtype_bfloat16.json",
                  *(f"{s}.log" for s in STAGES)]:
         assert (out / name).is_file(), name
     rows = {line.split("|")[1].strip() for line in summary.splitlines() if line.startswith("| ")}

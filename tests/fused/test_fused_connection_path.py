@@ -1,9 +1,10 @@
-"""Which code runs the connections: fused.unsupported_reason, and the path train.py and
-bench.py report, checked against the path the forward takes (a spy on connection_forward).
+"""Which code runs the connections: fused.unsupported_reason, and the path train.py, bench.py and
+scripts/micro_bench.py report, checked against the path the forward takes (a spy on connection_forward).
 The fused path runs on CPU only in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET)."""
 
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -13,6 +14,10 @@ import fused
 import train
 from model import GPT, GPTConfig, connection_path_line
 from residuals import RESIDUALS, Residual
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+import micro_bench  # noqa: E402
 
 needs_triton = pytest.mark.skipif(not fused.TRITON_AVAILABLE, reason="triton is not installed")
 CPU = torch.device("cpu")
@@ -100,7 +105,7 @@ def test_train_reports_the_path_that_ran(case, data_dir, tmp_path, monkeypatch, 
 
 @needs_triton
 @pytest.mark.parametrize("interpret", [False, True])
-def test_bench_records_the_path_that_ran_per_variant(interpret, tmp_path, monkeypatch, capsys, spy, one_thread):
+def test_bench_and_micro_bench_record_the_path_that_ran_per_variant(interpret, tmp_path, monkeypatch, capsys, spy, one_thread):
     """bench.py --fused_connections on --device cpu is a dry run in the interpreter under
     TRITON_INTERPRET=1 (it turns INTERPRET_ON_CPU on), and takes residuals.py without it."""
     if interpret and os.environ.get("TRITON_INTERPRET") != "1":
@@ -115,6 +120,12 @@ def test_bench_records_the_path_that_ran_per_variant(interpret, tmp_path, monkey
     result = json.loads(out.read_text())
     paths = {name: row["connections"]["path"] for name, row in result["variants"].items()}
     assert paths == {"res": "reference", "mhclite": "fused" if interpret else "reference"}
-    assert result["micro"]["connections"]["mhclite"]["connections"]["path"] == paths["mhclite"]
     assert (len(spy) > 0) == interpret and fused.INTERPRET_ON_CPU == interpret
     assert bench.connections_line(result["variants"]) in capsys.readouterr().out
+    spy.clear()
+    micro_bench.main(["--size", "tiny", "--device", "cpu", "--batch_size", "1", "--block_size", "8", "--steps", "1",
+                      "--warmup", "0", "--residuals", "res,mhclite", "--recompute", "off", "--fused_connections", "on",
+                      "--json", str(tmp_path / "micro.json")])
+    connections = json.loads((tmp_path / "micro.json").read_text())["connections"]
+    assert {name: row["connections"]["path"] for name, row in connections.items()} == paths
+    assert (len(spy) > 0) == interpret
