@@ -45,6 +45,8 @@ CHOICES = {
 }
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+
 # Valid ranges of the numeric settings: (key, test, requirement as the error states it).
 # Unset optional settings (None) are skipped.
 RANGES = (
@@ -295,6 +297,10 @@ def check_ranges(cfg, min_lr_from_size=False):
             raise ConfigError(f"{key} must be a finite number, got {value}")
         if not valid(value):
             raise ConfigError(f"{key} must be {requirement}, got {value}")
+    if cfg.learning_rate / (1 - cfg.beta1) > FLOAT32_MAX:
+        # AdamW's first update scales by lr / (1 - beta1), which must be a float32
+        raise ConfigError(f"learning_rate={cfg.learning_rate} is too large: AdamW's first step size "
+                          f"learning_rate / (1 - beta1) exceeds the largest float32")
     if cfg.min_lr > cfg.learning_rate:
         origin = f" (the default for size {cfg.size}; set --min_lr)" if min_lr_from_size else ""
         raise ConfigError(f"min_lr={cfg.min_lr}{origin} must be <= learning_rate={cfg.learning_rate}")

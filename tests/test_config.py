@@ -164,6 +164,7 @@ def test_train_cli_prints_one_error_line_and_exits_2(args, words):
     ("--learning_rate=0", ["learning_rate must be > 0"]),
     ("--learning_rate=nan", ["learning_rate must be a finite number"]),
     ("--learning_rate=inf", ["learning_rate must be a finite number"]),
+    ("--learning_rate=1e38", ["learning_rate=1e+38 is too large", "(1 - beta1) exceeds the largest float32"]),
     ("--min_lr=-1e-5", ["min_lr must be >= 0"]),
     ("--min_lr=1e-2", ["min_lr=0.01 must be <= learning_rate=0.0006"]),
     ("--beta1=-0.1", ["beta1 must be in [0, 1)"]),
@@ -207,6 +208,7 @@ def test_a_min_lr_left_at_the_size_default_says_so():
     ["--max_iters=100"],  # a smoke run that never leaves the default 200-step warmup
     ["--warmup_iters=100", "--lr_decay_iters=101"],
     ["--mhclite_perms=None", "--peak_flops=None", "--seed=0"],
+    ["--learning_rate=3e37", "--beta1=0.9"],  # a first AdamW step of 3e38 still fits a float32
 ])
 def test_values_at_the_edges_of_their_ranges_are_accepted(args):
     load_config(args)
