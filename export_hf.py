@@ -123,14 +123,8 @@ def export(out_dir, export_dir, force=False, data_dir=None):
     return export_dir
 
 
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message):
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
 def main(argv=None):
-    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sample.OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out_dir", required=True, help="run directory holding ckpt.pt")
     p.add_argument("--export_dir", required=True, help="folder to write (must be empty or absent)")
     p.add_argument("--force", action="store_true", help="replace an earlier export in --export_dir")

@@ -257,14 +257,8 @@ def downstream_markdown(runs, digits=3):
             f"`acc` and `acc_norm`), mean ± std over seeds; items scored per run: {counts}.\n")
 
 
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message):
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
 def main(argv=None):
-    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sample.OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out_dir", required=True, help="run directory holding ckpt.pt; results go there")
     p.add_argument("--data", default=DEFAULT_SOURCE, help="a Hugging Face dataset name, or a local .json, "
                    ".jsonl or .parquet file of HellaSwag items")
