@@ -37,7 +37,7 @@ COMPILE_MODES = ("model", "blocks")
 DEFAULT_COMPILE_MODE = "model"  # train.py's and bench.py's
 
 
-SHARED_SINKHORN_TORCH = "2.13"  # checked against eager there (tests/test_model.py)
+SHARED_SINKHORN_TORCH = (2, 13)  # checked against eager there (tests/test_model.py)
 
 # residuals.sinkhorn as a nested compile region: torch.compile compiles it once and every mhc
 # connection calls that code, instead of one copy of its 40 log-sum-exps per connection. Eager it
