@@ -21,20 +21,14 @@ import time
 
 import torch
 
-from bench import fmt, markdown_table, ratio
-from model import STREAM_DTYPES, GPTConfig, model_shape
+from bench import HC_FAMILY, BenchError, add_shared_flag, fmt, markdown_table, ratio, resolve_shared_flags
+from model import STREAM_DTYPES, GPTConfig
 from train import synchronize
 
 from . import TRITON_AVAILABLE
 from .launches import connection_launches
 
-HC_FAMILY = ("hc", "mhc", "mhclite")
 KERNEL_BYTES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernel_bytes.json")
-DEFAULT_BATCH_BLOCK = {"tiny": (8, 128)}  # (batch_size, block_size) by size; (16, 1024) otherwise, as bench.py
-
-
-class KernelBenchError(Exception):
-    """Bad settings."""
 
 
 def time_alone(fn, warmup, repeats, device, calls=10):
@@ -66,7 +60,7 @@ def read_kernel_bytes(path):
         with open(path, encoding="utf-8") as f:
             return json.load(f)
     except (OSError, ValueError) as e:
-        raise KernelBenchError(f"cannot read the kernel bytes {path}: {e}") from None
+        raise BenchError(f"cannot read the kernel bytes {path}: {e}") from None
 
 
 def kernel_bench(args, device):
@@ -115,45 +109,23 @@ def kernel_table(result):
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--size", default="tiny", help="tiny, S, M or L (the width C)")
-    parser.add_argument("--batch_size", type=int, help="default 8 for tiny, 16 otherwise")
-    parser.add_argument("--block_size", type=int, help="default 128 for tiny, 1024 otherwise")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                        help="autocast dtype; auto: bfloat16 on cuda, float32 on cpu")
-    parser.add_argument("--residuals", default="hc,mhc,mhclite")
-    parser.add_argument("--steps", type=int, default=20, help="timed repeats")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed calls first")
-    parser.add_argument("--seed", type=int, default=0)
+    for flag in ("--size", "--batch_size", "--block_size", "--device", "--dtype", "--steps", "--warmup", "--seed"):
+        add_shared_flag(parser, flag)
+    parser.add_argument("--residuals", default=",".join(HC_FAMILY), help="the HC-family variants, comma-separated")
     parser.add_argument("--kernel_bytes", default=KERNEL_BYTES, help="python -m fused.count_bytes --json output")
     parser.add_argument("--json", help="output path (default out/bench/<size>-<device>-<dtype>-kernels.json)")
     return parser.parse_args(argv)
 
 
 def resolve(args):
-    try:
-        args.shape = model_shape(args.size)
-    except ValueError as e:
-        raise KernelBenchError(str(e)) from None
-    default_batch, default_block = DEFAULT_BATCH_BLOCK.get(args.size, (16, 1024))
-    args.batch_size = default_batch if args.batch_size is None else args.batch_size
-    args.block_size = default_block if args.block_size is None else args.block_size
-    for key in ("batch_size", "block_size", "steps"):
-        if getattr(args, key) < 1:
-            raise KernelBenchError(f"--{key} must be >= 1, got {getattr(args, key)}")
-    args.residual_list = [r for r in dict.fromkeys(r.strip() for r in args.residuals.split(",")) if r]
-    if not args.residual_list or any(r not in HC_FAMILY for r in args.residual_list):
-        raise KernelBenchError(f"--residuals must name some of {', '.join(HC_FAMILY)}, got '{args.residuals}'")
+    resolve_shared_flags(args)
+    if any(r not in HC_FAMILY for r in args.residual_list):
+        raise BenchError(f"--residuals must name some of {', '.join(HC_FAMILY)}, got '{args.residuals}'")
     if not TRITON_AVAILABLE:
-        raise KernelBenchError("needs triton")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise KernelBenchError("--device cuda but no CUDA device is available")
-    args.device_type = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        raise BenchError("needs triton")
     if args.device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise KernelBenchError("times the Triton kernels on CUDA; on CPU it runs only under TRITON_INTERPRET=1 "
-                               "(a dry run at tiny shapes)")
-    if args.dtype == "auto":
-        args.dtype = "bfloat16" if args.device_type == "cuda" else "float32"
+        raise BenchError("times the Triton kernels on CUDA; on CPU it runs only under TRITON_INTERPRET=1 "
+                         "(a dry run at tiny shapes)")
     if args.json is None:
         args.json = os.path.join("out", "bench", f"{args.size}-{args.device_type}-{args.dtype}-kernels.json")
     return args
@@ -167,7 +139,7 @@ def main(argv=None):
         result = dict(command=" ".join(["python", "-m", "fused.bench_kernels", *argv]), torch=torch.__version__,
                       device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                       mode="kernels", kernels=kernel_bench(args, device))
-    except KernelBenchError as e:
+    except BenchError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     dry_run = "" if device.type == "cuda" else ", CPU DRY RUN in Triton's interpreter: the times are not GPU times"
