@@ -9,16 +9,14 @@ Every variant lives in this one process. Round r runs one training step (train.p
 variant in an order rotated by r, and a variant's ratio is the median over rounds of its step time
 over its baseline's in the same round, so that drifts of a busy machine hit all variants alike.
 The columns and how each is measured: docs/benchmarks.md. Markdown to stdout, JSON to --json.
+The flags that pick models, batches and rounds, and the output helpers, are shared with the other
+benchmark scripts: scripts/bench_common.py.
 """
 
 import argparse
-import datetime
 import gc
-import json
 import math
 import os
-import platform
-import shlex
 import statistics
 import sys
 import time
@@ -26,15 +24,14 @@ import time
 import torch
 from tqdm import tqdm
 
-from model import COMPILE_MODES, DEFAULT_COMPILE_MODE, GPT, GPTConfig, compile_model, model_shape
-from residuals import RESIDUALS
+from model import COMPILE_MODES, DEFAULT_COMPILE_MODE, GPT, GPTConfig, compile_model
+from scripts.bench_common import (SHARED_FLAGS, BenchError, add_shared_flag, environment, fmt, markdown_table, ratio,
+                                  resolve_shared_flags, write_json)
 from train import autocast_context, peak_flops, synchronize
 
 HC_FAMILY = ("hc", "mhc", "mhclite")
 RECOMPUTE_SUFFIX = "+recompute"
 BLOCKS_SUFFIX = "/blocks"  # the variant compiled block by block, next to the whole-model compile
-DEFAULT_BATCH_BLOCK = {"tiny": (8, 128)}  # (batch_size, block_size) by size
-PAPER_BATCH_BLOCK = (16, 1024)  # every other size
 NUM_BATCHES = 4  # distinct random batches, cycled
 MEMORY_STEPS = 2  # steps measured for a variant's peak memory, after one warm-up step
 MEMORY_BUDGET_FRACTION = 0.85  # of the free GPU memory, for the variants timed side by side
@@ -42,10 +39,6 @@ MEMORY_BUDGET_FRACTION = 0.85  # of the free GPU memory, for the variants timed 
 MOVED_FLAGS = {"--kernels": "python -m fused.bench_kernels", "--kernel_bytes": "python -m fused.bench_kernels",
                "--compile_time": "python scripts/compile_time.py", "--compile_probe": "python scripts/compile_time.py",
                "--micro": "python scripts/micro_bench.py", "--no-micro": "python scripts/micro_bench.py"}
-
-
-class BenchError(Exception):
-    """Bad benchmark settings."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -225,10 +218,6 @@ def add_blocks_over_model(summary):
             row["blocks_over_model"] = row["median_ms"] / whole["median_ms"]
 
 
-def ratio(value, baseline_value):
-    return value / baseline_value if value is not None and baseline_value else None
-
-
 def measures_memory(device):
     """Whether bench_models measures each variant's peak memory (CUDA's allocator statistics)."""
     return device.type == "cuda"
@@ -337,15 +326,6 @@ def bench_models(configs, baselines, compile_modes, args, device):
 # Output
 
 
-def fmt(value, spec):
-    return "-" if value is None else format(value, spec)
-
-
-def markdown_table(header, rows):
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
-
-
 def model_table(summary, baseline_label, cuda):
     header = ["variant", "params M", "ms", "IQR ms", "tokens/s", "MFU", f"x {baseline_label}",
               "act MB", f"act x {baseline_label}"] + (["peak MB", f"peak x {baseline_label}"] if cuda else [])
@@ -373,23 +353,6 @@ def blocks_table(summary):
     return markdown_table(["variant", "whole model ms", "blocks ms", "blocks / whole model"], rows)
 
 
-def environment(argv, device, script="bench.py"):
-    """The command line and the machine, for a result's JSON."""
-    name = (torch.cuda.get_device_name(device) if device.type == "cuda"
-            else f"cpu ({platform.machine()}, {torch.backends.cpu.get_cpu_capability()})")
-    return dict(command=shlex.join(["python", script, *argv]), argv=argv,
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                torch=torch.__version__, python=platform.python_version(), device=device.type, device_name=name,
-                cpu_count=os.cpu_count(), torch_threads=torch.get_num_threads())
-
-
-def write_json(result, path):
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {path}")
-
-
 # ----------------------------------------------------------------------------------------------
 # Command line
 
@@ -402,33 +365,6 @@ def int_list(text):
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got '{text}'")
     return values
-
-
-SHARED_FLAGS = {  # the models, batches and rounds; scripts/compile_time.py and scripts/micro_bench.py share them
-    "--size": dict(default="tiny", help="tiny, S, M or L"),
-    "--batch_size": dict(type=int, help="default 8 for tiny, 16 otherwise"),
-    "--block_size": dict(type=int, help="default 128 for tiny, 1024 otherwise"),
-    "--device": dict(default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda when available"),
-    "--dtype": dict(default="auto", choices=["auto", "float32", "bfloat16"],
-                    help="autocast dtype; auto: bfloat16 on cuda (train.py's default), float32 on cpu"),
-    "--residuals": dict(default="res,hc,mhc,mhclite", help="the variants, comma-separated"),
-    "--recompute": dict(default="both", choices=["both", "on", "off"],
-                        help="recompute_connections for the HC family; both: a row with and without"),
-    "--stream_dtype": dict(default="float32", choices=["float32", "bfloat16"],
-                           help="storage of the HC family's streams (res keeps nanoGPT's fp32 residual)"),
-    "--fused_connections": dict(default="off", choices=["on", "off"],
-                                help="Triton kernels (the fused package) for the HC family where they can run "
-                                     "(CUDA; on CPU under TRITON_INTERPRET=1 in the interpreter: a dry run whose "
-                                     "step times mean nothing)"),
-    "--vocab_size": dict(type=int, default=50304, help="of the random tokens and the model"),
-    "--steps": dict(type=int, default=20, help="measured rounds"),
-    "--warmup": dict(type=int, default=3, help="unmeasured rounds first"),
-    "--seed": dict(type=int, default=0, help="of the models' init and the random data"),
-}
-
-
-def add_shared_flag(parser, flag):
-    parser.add_argument(flag, **SHARED_FLAGS[flag])
 
 
 def parse_args(argv):
@@ -452,38 +388,6 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
-def resolve_shared_flags(args):
-    """Checks the SHARED_FLAGS a script has and fills in the derived settings (or raises BenchError)."""
-    try:
-        args.shape = model_shape(args.size)
-    except ValueError as e:
-        raise BenchError(str(e)) from None
-    default_batch, default_block = DEFAULT_BATCH_BLOCK.get(args.size, PAPER_BATCH_BLOCK)
-    args.batch_size = default_batch if args.batch_size is None else args.batch_size
-    args.block_size = default_block if args.block_size is None else args.block_size
-    for key, least in (("batch_size", 1), ("block_size", 1), ("steps", 1), ("vocab_size", 1), ("warmup", 0)):
-        if getattr(args, key, least) < least:
-            raise BenchError(f"--{key} must be >= {least}, got {getattr(args, key)}")
-    args.residual_list = list(dict.fromkeys(r.strip() for r in args.residuals.split(",") if r.strip()))
-    unknown = [r for r in args.residual_list if r not in RESIDUALS]
-    if unknown or not args.residual_list:
-        problem = f"unknown residual '{unknown[0]}'" if unknown else "--residuals is empty"
-        raise BenchError(f"{problem}; valid: {', '.join(RESIDUALS)}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise BenchError("--device cuda but no CUDA device is available")
-    args.device_type = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    if args.dtype == "auto":
-        args.dtype = "bfloat16" if args.device_type == "cuda" else "float32"
-    if args.device_type == "cuda" and args.dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
-        raise BenchError("this GPU does not support bfloat16; use --dtype float32")
-    args.interpret_on_cpu = (getattr(args, "fused_connections", "off") == "on" and args.device_type == "cpu"
-                             and os.environ.get("TRITON_INTERPRET") == "1")
-    if args.interpret_on_cpu:
-        import fused
-        fused.INTERPRET_ON_CPU = True  # a dry run: inductor's work around the kernels is real, times are not
-    return args
-
-
 def resolve(args):
     """Checks the settings and fills in the derived ones (or raises BenchError)."""
     resolve_shared_flags(args)
@@ -502,7 +406,7 @@ def run(args, argv):
     device, cuda = torch.device(args.device_type), args.device_type == "cuda"
     common = dict(shape=args.shape, block_size=args.block_size, vocab_size=args.vocab_size,
                   stream_dtype=args.stream_dtype, fused_connections=args.fused_connections == "on")
-    result = environment(argv, device)
+    result = environment(argv, device, "bench.py")
     result["settings"] = dict(size=args.size, **args.shape, batch_size=args.batch_size, block_size=args.block_size,
                               tokens_per_step=args.batch_size * args.block_size, dtype=args.dtype,
                               compile=args.use_compile, compile_mode=args.compile_mode, steps=args.steps,

@@ -21,8 +21,9 @@ import time
 
 import torch
 
-from bench import HC_FAMILY, BenchError, add_shared_flag, fmt, markdown_table, ratio, resolve_shared_flags
+from bench import HC_FAMILY
 from model import STREAM_DTYPES, GPTConfig
+from scripts.bench_common import BenchError, add_shared_flag, fmt, markdown_table, ratio, resolve_shared_flags
 from train import synchronize
 
 from . import TRITON_AVAILABLE

@@ -32,7 +32,7 @@ import tempfile
 import time
 import warnings
 
-from bench import fmt, markdown_table
+from scripts.bench_common import fmt, markdown_table
 
 from . import TRITON_AVAILABLE, ops
 from .launches import connection_launches, jit_specialisation

@@ -26,6 +26,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bench  # noqa: E402
+from scripts.bench_common import (BenchError, add_shared_flag, environment, fmt, markdown_table, ratio,  # noqa: E402
+                                  resolve_shared_flags, write_json)
 from model import COMPILE_MODES, DEFAULT_COMPILE_MODE, compile_model  # noqa: E402
 from train import autocast_context, synchronize  # noqa: E402
 
@@ -56,7 +58,7 @@ def compile_probe(args, name):
 
 
 @contextlib.contextmanager
-def environment(**variables):
+def environment_variables(**variables):
     saved = {key: os.environ.get(key) for key in variables}
     os.environ.update(variables)
     try:
@@ -72,7 +74,7 @@ def environment(**variables):
 def probe_in_fresh_process(args, name, cache):
     """compile_probe in a new Python process (spawned: no torch state inherited) whose inductor and
     Triton caches are in `cache`."""
-    with environment(TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "triton")):
+    with environment_variables(TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "triton")):
         with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
             return pool.submit(compile_probe, args, name).result()
 
@@ -97,12 +99,11 @@ def variant_configs(args):
 
 def compile_table(results):
     baselines = bench.same_mode_baselines(results, "res")
-    fmt = bench.fmt
     rows = [[name, fmt(r["compile_s"], ".1f"),
-             fmt(bench.ratio(r["compile_s"], results.get(baselines[name], {}).get("compile_s")), ".2f"),
+             fmt(ratio(r["compile_s"], results.get(baselines[name], {}).get("compile_s")), ".2f"),
              fmt(r["warm_compile_s"], ".1f"), fmt(r["first_step_s"], ".1f"), fmt(r["step_ms"], ".1f"),
              str(r["graphs"])] for name, r in results.items()]
-    return bench.markdown_table(["variant", "compile s", "x res", "warm-cache compile s", "first step s",
+    return markdown_table(["variant", "compile s", "x res", "warm-cache compile s", "first step s",
                                  "compiled step ms", "graphs"], rows)
 
 
@@ -111,7 +112,7 @@ def parse_args(argv):
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for flag in ("--size", "--batch_size", "--block_size", "--device", "--dtype", "--residuals", "--recompute",
                  "--stream_dtype", "--fused_connections", "--vocab_size", "--seed"):
-        bench.add_shared_flag(parser, flag)
+        add_shared_flag(parser, flag)
     parser.add_argument("--compile_mode", default=DEFAULT_COMPILE_MODE, choices=[*COMPILE_MODES, "both"],
                         help="what torch.compile compiles; both: a row for each")
     parser.add_argument("--steps", type=int, default=5, help="ordinary compiled steps timed after the first")
@@ -123,17 +124,17 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     try:
-        bench.resolve_shared_flags(args)
-    except bench.BenchError as e:
+        resolve_shared_flags(args)
+    except BenchError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     args.compile_modes = list(COMPILE_MODES) if args.compile_mode == "both" else [args.compile_mode]
     json_path = args.json or os.path.join("out", "bench", f"{args.size}-{args.device_type}-{args.dtype}-compile-time.json")
-    result = dict(bench.environment(argv, torch.device(args.device_type), "scripts/compile_time.py"),
+    result = dict(environment(argv, torch.device(args.device_type), "scripts/compile_time.py"),
                   compile_time=compile_times(args))
     print(f"## Compile time: cold (fresh process and inductor cache per variant), then warm (a second "
           f"process on that cache)\n\n{compile_table(result['compile_time'])}\n")
-    bench.write_json(result, json_path)
+    write_json(result, json_path)
 
 
 if __name__ == "__main__":

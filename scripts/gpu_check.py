@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import fmt, markdown_table  # noqa: E402
+from scripts.bench_common import fmt, markdown_table  # noqa: E402
 from checkpoint import load_model  # noqa: E402
 from residuals import capture_connections  # noqa: E402
 

@@ -19,7 +19,8 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bench  # noqa: E402
-from bench import fmt, markdown_table  # noqa: E402
+from scripts.bench_common import (BenchError, add_shared_flag, environment, fmt, markdown_table,  # noqa: E402
+                                  resolve_shared_flags, write_json)
 from model import STREAM_DTYPES, GPTConfig, build_connection, connection_path  # noqa: E402
 from residuals import permutation_matrices, sinkhorn  # noqa: E402
 from train import autocast_context, synchronize  # noqa: E402
@@ -143,7 +144,7 @@ def parse_args(argv):
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for flag in ("--size", "--batch_size", "--block_size", "--device", "--dtype", "--residuals", "--recompute",
                  "--stream_dtype", "--fused_connections", "--steps", "--warmup", "--seed"):
-        bench.add_shared_flag(parser, flag)
+        add_shared_flag(parser, flag)
     parser.add_argument("--json", help="output path (default out/bench/<size>-<device>-<dtype>-micro.json)")
     return parser.parse_args(argv)
 
@@ -154,7 +155,7 @@ def run(args, argv):
                                   GPTConfig.vocab_size,  # the connections do not use it
                                   stream_dtype=args.stream_dtype,
                                   fused_connections=args.fused_connections == "on")
-    result = bench.environment(argv, device, "scripts/micro_bench.py")
+    result = environment(argv, device, "scripts/micro_bench.py")
     result["settings"] = dict(size=args.size, **args.shape, batch_size=args.batch_size, block_size=args.block_size,
                               dtype=args.dtype, steps=args.steps, warmup=args.warmup, recompute=args.recompute,
                               stream_dtype=args.stream_dtype, fused_connections=args.fused_connections == "on",
@@ -167,14 +168,14 @@ def run(args, argv):
     result["h_res"] = micro_h_res(args, device, GPTConfig.n_streams, GPTConfig.sinkhorn_iters)
     print(f"## Micro: H_res construction\n\n{h_res_table(result['h_res'])}\n")
     json_path = args.json or os.path.join("out", "bench", f"{args.size}-{args.device_type}-{args.dtype}-micro.json")
-    bench.write_json(result, json_path)
+    write_json(result, json_path)
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        run(bench.resolve_shared_flags(parse_args(argv)), argv)
-    except bench.BenchError as e:
+        run(resolve_shared_flags(parse_args(argv)), argv)
+    except BenchError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-import bench
+from scripts import bench_common
 from conftest import one_error_line
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
@@ -70,4 +70,4 @@ def test_help_describes_every_flag(capsys):
              "--stream_dtype", "--fused_connections", "--steps", "--warmup", "--seed", "--json"]
     assert all(f"  {flag} " in printed for flag in flags)
     assert "--vocab_size" not in printed  # the connections and H_res do not depend on it
-    assert all(bench.SHARED_FLAGS[flag].get("help") for flag in flags[:-1])
+    assert all(bench_common.SHARED_FLAGS[flag].get("help") for flag in flags[:-1])
