@@ -1,5 +1,5 @@
 """Each fused connection kernel alone: time, GB/s from the counted bytes per token, and the ratio to
-a device-to-device copy of the streams.
+a device-to-device copy of the streams; and a connection's backward by its number of grad-W partials.
 
     python -m fused.bench_kernels --size M                   # on a GPU
     TRITON_INTERPRET=1 python -m fused.bench_kernels --size tiny --device cpu --batch_size 1 --block_size 16
@@ -9,7 +9,8 @@ For each HC-family variant with fp32 and bf16 streams, the launches of one forwa
 variant's connection are recorded (launches.py), then each is replayed alone and timed. The bytes
 per token per kernel come from a JSON file written by `python -m fused.count_bytes --json PATH` on a
 CPU (default: fused/kernel_bytes.json, which the tests keep equal to a fresh count), so that nothing
-here runs Triton's interpreter on the GPU machine.
+here runs Triton's interpreter on the GPU machine. A second table times a connection's whole backward
+with each of PROGRAM_COUNTS pre_backward programs, each with its own grad-W partial.
 """
 
 import argparse
@@ -26,10 +27,13 @@ from model import STREAM_DTYPES, GPTConfig
 from scripts.bench_common import BenchError, add_shared_flag, fmt, markdown_table, ratio, resolve_shared_flags
 from train import synchronize
 
-from . import TRITON_AVAILABLE
-from .launches import connection_launches
+from . import TRITON_AVAILABLE, connection_forward, ops, packed_parameters
+from .launches import connection_launches, connection_setup
 
 KERNEL_BYTES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernel_bytes.json")
+# Program counts of pre_backward (each with its own weight-sized grad-W partial) timed against the
+# default, to choose between fewer partials and more of the GPU busy in the backward.
+PROGRAM_COUNTS = (16, 32, 64, 128)
 
 
 def time_alone(fn, warmup, repeats, device, calls=10):
@@ -96,6 +100,49 @@ def kernel_bench(args, device):
                 kernel_bytes=args.kernel_bytes, dry_run=device.type != "cuda")
 
 
+def backward_by_programs(args, device):
+    """A connection's whole backward (both backward kernels, the branch's backward, the sum of the
+    grad-W partials) timed with each of PROGRAM_COUNTS pre_backward programs (capped at the token
+    blocks), interleaved round by round as bench.py interleaves variants."""
+    tokens = args.batch_size * args.block_size
+    blocks = -(-tokens // ops.BLOCK_TOKENS)
+    counts = sorted({min(programs, blocks) for programs in (*PROGRAM_COUNTS, ops.WEIGHT_GRAD_PROGRAMS)})
+    default = min(ops.WEIGHT_GRAD_PROGRAMS, blocks)
+    rows, saved = [], ops.WEIGHT_GRAD_PROGRAMS
+    for stream_dtype in STREAM_DTYPES:
+        for residual in args.residual_list:
+            module, branch, x, grad = connection_setup(residual, stream_dtype, args.shape["n_embd"], args.batch_size,
+                                                       args.block_size, device, seed=args.seed)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16"):
+                out = connection_forward(module, x, branch)
+            inputs = [x, *module.parameters(), *branch.parameters()]
+            per_program = ops.partial_bytes_per_program(*packed_parameters(module)[1:4])
+            samples = {programs: [] for programs in counts}
+            try:
+                for r in range(args.warmup + args.steps):  # interleaved, in an order rotated by the round
+                    for programs in counts[r % len(counts):] + counts[:r % len(counts)]:
+                        ops.WEIGHT_GRAD_PROGRAMS = programs
+                        ms = time_alone(lambda: torch.autograd.grad(out, inputs, grad, retain_graph=True), 0, 1,
+                                        device)
+                        if r >= args.warmup:
+                            samples[programs].append(ms)
+            finally:
+                ops.WEIGHT_GRAD_PROGRAMS = saved
+            times = {programs: statistics.median(ms) for programs, ms in samples.items()}
+            for programs, ms in times.items():
+                rows.append(dict(residual=residual, stream_dtype=stream_dtype, programs=programs, ms=ms,
+                                 ratio=ratio(ms, times[default]),
+                                 partial_bytes_per_token=per_program * programs / tokens))
+    return dict(rows=rows, default_programs=default, tokens=tokens)
+
+
+def programs_table(result):
+    rows = [[r["residual"], r["stream_dtype"], str(r["programs"]), fmt(1000 * r["ms"], ".1f"), fmt(r["ratio"], ".3f"),
+             fmt(r["partial_bytes_per_token"], ",.0f")] for r in result["rows"]]
+    return markdown_table(["variant", "streams", "pre_backward programs", "backward us",
+                           f"x {result['default_programs']} programs", "grad-W partial bytes/token"], rows)
+
+
 def kernel_table(result):
     rows = [[r["residual"], r["stream_dtype"], r["kernel"].removesuffix("_kernel"), r["phase"], str(r["launches"]),
              fmt(1000 * r["ms"], ".1f"), fmt(r["bytes_per_token"], ",.0f"), fmt(r["gb_per_s"], ".0f"),
@@ -140,6 +187,7 @@ def main(argv=None):
         result = dict(command=" ".join(["python", "-m", "fused.bench_kernels", *argv]), torch=torch.__version__,
                       device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                       mode="kernels", kernels=kernel_bench(args, device))
+        result["programs"] = backward_by_programs(args, device)
     except BenchError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -147,6 +195,8 @@ def main(argv=None):
     print(f"## Fused connection kernels alone, {args.batch_size} x {args.block_size} tokens, n = "
           f"{GPTConfig.n_streams}, C = {args.shape['n_embd']}, autocast {args.dtype}, {result['device_name']}, "
           f"median of {args.steps} after {args.warmup} warm-up{dry_run}\n\n{kernel_table(result['kernels'])}\n")
+    print(f"## A connection's backward by the number of pre_backward programs (grad-W partials), same "
+          f"shapes\n\n{programs_table(result['programs'])}\n")
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w", encoding="utf-8") as f:
         json.dump(result, f, indent=2)

@@ -9,9 +9,9 @@ launch with its arguments, so that
     launch into what triton's JIT would compile), and
   - fused/bench_kernels.py times each launch replayed alone (recorded while running).
 
-`connection_launches` builds a connection as model.py does and runs it the way a training step
-does: the branch is a bias-free Linear like the sublayers' c_proj (bf16 output under bf16 autocast),
-the incoming gradient has the stream dtype.
+`connection_launches` builds a connection as model.py does (`connection_setup`) and runs it the way
+a training step does: the branch is a bias-free Linear like the sublayers' c_proj (bf16 output
+under bf16 autocast), the incoming gradient has the stream dtype.
 """
 
 import contextlib
@@ -61,10 +61,9 @@ def recorded_launches(run=True):
         yield recorder
 
 
-def connection_launches(residual, stream_dtype, autocast, width, batch, time, device, run=True, n_streams=4, seed=0):
-    """The launches (a list of Launch) of one forward + backward of connection 0 of a model with this
-    residual, stream dtype ("float32" or "bfloat16"), width and n_streams, on a (batch, time) batch,
-    under bf16 autocast or in float32."""
+def connection_setup(residual, stream_dtype, width, batch, time, device, n_streams=4, seed=0):
+    """(connection 0 of a model with this residual, its branch, x, the incoming gradient) on device:
+    the module and branch off their zero init, x and the gradient random in the stream dtype."""
     device = torch.device(device)
     config = GPTConfig(residual=residual, n_streams=n_streams, n_embd=width, n_head=1, stream_dtype=stream_dtype)
     generator = torch.Generator().manual_seed(seed)
@@ -78,8 +77,15 @@ def connection_launches(residual, stream_dtype, autocast, width, batch, time, de
     shape = (batch, time, n_streams, width)
     x = torch.randn(shape, generator=generator).to(device, STREAM_DTYPES[stream_dtype]).requires_grad_()
     grad = torch.randn(shape, generator=generator).to(device, STREAM_DTYPES[stream_dtype])
+    return module, branch, x, grad
+
+
+def connection_launches(residual, stream_dtype, autocast, width, batch, time, device, run=True, n_streams=4, seed=0):
+    """The launches (a list of Launch) of one forward + backward of connection_setup's connection on a
+    (batch, time) batch, under bf16 autocast or in float32."""
+    module, branch, x, grad = connection_setup(residual, stream_dtype, width, batch, time, device, n_streams, seed)
     with recorded_launches(run) as recorder:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
             out = connection_forward(module, x, branch)
         recorder.phase = "backward"
         out.backward(grad)

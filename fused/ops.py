@@ -175,6 +175,13 @@ def _(x, weight, scale, bias, perm_matrices, variant, sinkhorn_iters, bf16_opera
     return _pre_outputs(x, weight, variant)
 
 
+def partial_bytes_per_program(weight, scale, bias):
+    """Bytes one pre_backward program's partials move: its fp32 grad-W partial written by its first
+    token block, re-read by its later ones and read by the sum; its grad scale and grad bias
+    partials written and summed."""
+    return 4 * (3 * weight.numel() + 2 * (scale.numel() + bias.numel()))
+
+
 @torch.library.custom_op("hcfused::connection_pre_backward", mutates_args=())
 def connection_pre_backward(x: torch.Tensor, grad: torch.Tensor, grad_u: torch.Tensor, grad_h_post: torch.Tensor,
                             weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor,
