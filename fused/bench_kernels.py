@@ -22,9 +22,10 @@ import time
 
 import torch
 
-from bench import HC_FAMILY
+from bench import HC_FAMILY, interleaved_times
 from model import STREAM_DTYPES, GPTConfig
-from scripts.bench_common import BenchError, add_shared_flag, fmt, markdown_table, ratio, resolve_shared_flags
+from scripts.bench_common import (BenchError, add_shared_flag, fmt, markdown_table, ratio, resolve_shared_flags,
+                                  write_json)
 from train import synchronize
 
 from . import TRITON_AVAILABLE, connection_forward, ops, packed_parameters
@@ -103,7 +104,7 @@ def kernel_bench(args, device):
 def backward_by_programs(args, device):
     """A connection's whole backward (both backward kernels, the branch's backward, the sum of the
     grad-W partials) timed with each of PROGRAM_COUNTS pre_backward programs (capped at the token
-    blocks), interleaved round by round as bench.py interleaves variants."""
+    blocks), interleaved round by round with bench.py's interleaved_times."""
     tokens = args.batch_size * args.block_size
     blocks = -(-tokens // ops.BLOCK_TOKENS)
     counts = sorted({min(programs, blocks) for programs in (*PROGRAM_COUNTS, ops.WEIGHT_GRAD_PROGRAMS)})
@@ -117,15 +118,17 @@ def backward_by_programs(args, device):
                 out = connection_forward(module, x, branch)
             inputs = [x, *module.parameters(), *branch.parameters()]
             per_program = ops.partial_bytes_per_program(*packed_parameters(module)[1:4])
-            samples = {programs: [] for programs in counts}
+
+            def step_with(programs):
+                def step(r):
+                    ops.WEIGHT_GRAD_PROGRAMS = programs
+                    torch.autograd.grad(out, inputs, grad, retain_graph=True)
+                return step
+
             try:
-                for r in range(args.warmup + args.steps):  # interleaved, in an order rotated by the round
-                    for programs in counts[r % len(counts):] + counts[:r % len(counts)]:
-                        ops.WEIGHT_GRAD_PROGRAMS = programs
-                        ms = time_alone(lambda: torch.autograd.grad(out, inputs, grad, retain_graph=True), 0, 1,
-                                        device)
-                        if r >= args.warmup:
-                            samples[programs].append(ms)
+                samples = interleaved_times({programs: step_with(programs) for programs in counts},
+                                            args.warmup + args.steps, args.warmup, device,
+                                            f"{residual} {stream_dtype}: backward by programs")
             finally:
                 ops.WEIGHT_GRAD_PROGRAMS = saved
             times = {programs: statistics.median(ms) for programs, ms in samples.items()}
@@ -197,10 +200,7 @@ def main(argv=None):
           f"median of {args.steps} after {args.warmup} warm-up{dry_run}\n\n{kernel_table(result['kernels'])}\n")
     print(f"## A connection's backward by the number of pre_backward programs (grad-W partials), same "
           f"shapes\n\n{programs_table(result['programs'])}\n")
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.json}")
+    write_json(result, args.json)
 
 
 if __name__ == "__main__":

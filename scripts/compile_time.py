@@ -104,7 +104,7 @@ def compile_table(results):
              fmt(r["warm_compile_s"], ".1f"), fmt(r["first_step_s"], ".1f"), fmt(r["step_ms"], ".1f"),
              str(r["graphs"])] for name, r in results.items()]
     return markdown_table(["variant", "compile s", "x res", "warm-cache compile s", "first step s",
-                                 "compiled step ms", "graphs"], rows)
+                           "compiled step ms", "graphs"], rows)
 
 
 def parse_args(argv):
