@@ -127,32 +127,59 @@ def test_auto_on_a_finished_run_exits_0_and_changes_nothing(data_dir, reference,
 # A lost worker
 
 
+def torchrun(data_dir, out, script, max_restarts=0, **env):
+    """Two CPU processes under torchrun, on train.py or tests/faulty_worker.py. torch's shared
+    rendezvous store hands restarted gloo workers stale addresses (pytorch/pytorch#135712), so
+    the store is not shared, as docs/training.md tells users to do."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **env)
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           f"--max-restarts={max_restarts}", "--monitor-interval=0.1",
+                           os.path.join(REPO_DIR, script), *run_args(data_dir, out)],
+                          cwd=REPO_DIR, env=env, capture_output=True, text=True, timeout=300)
+
+
+def assert_uninterrupted(out, reference):
+    """The run's per-step records equal the uninterrupted run's exactly: with two micro-batches,
+    two ranks' gradient sum and one process's sum of halves are the same floats (halving is
+    exact), so an interruption is the only difference left."""
+    train_steps, eval_steps = trajectory(out)
+    assert [s[0] for s in train_steps] == list(range(1, 9)) and [s[0] for s in eval_steps] == [0, 4, 8]
+    assert (train_steps, eval_steps) == trajectory(reference)
+    assert load_checkpoint(str(out / "ckpt.pt"))["step"] == 8
+    assert (out / "done").read_text() == "8\n" and temp_files(out) == []
+
+
 @pytest.mark.slow
 def test_a_worker_killed_under_torchrun_is_restarted_and_the_run_ends_on_the_uninterrupted_losses(
         data_dir, tmp_path, reference):
     """Rank 1 dies by SIGKILL before step 6 (last checkpoint: step 4); torchrun restarts both
-    workers with the same command, which resumes. torch's shared rendezvous store hands restarted
-    gloo workers stale addresses (pytorch/pytorch#135712), so the store is not shared, as
-    docs/training.md tells users to do."""
+    workers with the same command, which resumes."""
     out = tmp_path / "run"
-    env = dict(os.environ, OMP_NUM_THREADS="1", KILL_RANK="1", KILL_BEFORE_STEP="6",
-               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "--max-restarts=1", "--monitor-interval=0.1",
-                           os.path.join(REPO_DIR, "tests", "lost_worker.py"), *run_args(data_dir, out)],
-                          cwd=REPO_DIR, env=env, capture_output=True, text=True, timeout=300)
+    proc = torchrun(data_dir, out, "tests/faulty_worker.py", max_restarts=1, FAULT="sigkill", FAULT_RANK="1",
+                    FAULT_BEFORE_STEP="6")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "exitcode  : -9" in proc.stderr or "exitcode: -9" in proc.stderr  # the kill happened
+    assert "exitcode: -9" in proc.stderr  # the kill happened
     assert "resuming at step 4 of 8" in proc.stdout
-    train_steps, eval_steps = trajectory(out)
-    assert [s[0] for s in train_steps] == list(range(1, 9)) and [s[0] for s in eval_steps] == [0, 4, 8]
-    # exactly: with two micro-batches, two ranks' gradient sum and one process's sum of halves are
-    # the same floats (halving is exact), so the lost worker is the only difference left
-    assert (train_steps, eval_steps) == trajectory(reference)
+    assert_uninterrupted(out, reference)
     _, _, first_steps = read_all_metrics(out)
     assert [r["step"] for r in first_steps] == [1, 5]
-    assert load_checkpoint(str(out / "ckpt.pt"))["step"] == 8
-    assert (out / "done").read_text() == "8\n" and temp_files(out) == []
+
+
+@pytest.mark.slow
+def test_sigterm_to_torchrun_saves_and_the_same_command_finishes_the_uninterrupted_run(
+        data_dir, tmp_path, reference):
+    """A scheduler's SIGTERM before a time limit, sent to torchrun during step 5 (last checkpoint:
+    step 4), which passes it to its workers: they save after step 5 and stop; the same command
+    started again continues."""
+    out = tmp_path / "run"
+    proc = torchrun(data_dir, out, "tests/faulty_worker.py", FAULT="sigterm_launcher", FAULT_RANK="0",
+                    FAULT_BEFORE_STEP="5")
+    assert proc.returncode != 0 and "stopped by signal 15 after step 5" in proc.stdout, proc.stderr[-3000:]
+    assert load_checkpoint(str(out / "ckpt.pt"))["step"] == 5 and not (out / "done").exists()
+    proc = torchrun(data_dir, out, "train.py")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming at step 5 of 8" in proc.stdout
+    assert_uninterrupted(out, reference)
 
 
 # ----------------------------------------------------------------------------------------------
