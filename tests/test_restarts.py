@@ -1,7 +1,7 @@
 """Runs that survive the cluster, on CPU: --init_from=auto as the one command for the first start
-and every restart, a worker killed with SIGKILL under torchrun --max-restarts, and saves that fail
-(a real full disk on a small tmpfs, injected OSErrors, a vanished folder). Every run is compared
-step by step with one uninterrupted run."""
+and every restart, a worker killed with SIGKILL under torchrun --max-restarts, SIGTERM to torchrun,
+saves that fail (a real full disk on a small tmpfs, injected OSErrors, a vanished folder), and the
+SLURM job script with stand-ins. Every run is compared step by step with one uninterrupted run."""
 import errno
 import json
 import os
@@ -55,17 +55,20 @@ def temp_files(folder):
 
 
 def snapshot(folder):
-    """Every file's bytes and modification time: what 'nothing changed on disk' compares."""
-    return {name: (os.stat(os.path.join(folder, name)).st_mtime_ns, open(os.path.join(folder, name), "rb").read())
-            for name in sorted(os.listdir(folder))}
+    """Every file's modification time and bytes: what 'nothing changed on disk' compares."""
+    return {path.name: (path.stat().st_mtime_ns, path.read_bytes()) for path in sorted(folder.iterdir())}
 
 
 @pytest.fixture(scope="module")
 def reference(data_dir, tmp_path_factory):
     """One uninterrupted run from scratch: its folder."""
     out = tmp_path_factory.mktemp("reference") / "run"
-    torch.set_num_threads(1)
-    train.main(tiny_args(data_dir, out, **dict(RUN, init_from="scratch")))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as every run compared with it
+    try:
+        train.main(tiny_args(data_dir, out, **dict(RUN, init_from="scratch")))
+    finally:
+        torch.set_num_threads(threads)
     return out
 
 
