@@ -1,5 +1,6 @@
 """Checkpoints: atomic save, cleanup of temporary files a killed save left, load with one-line
-errors, and model loading for analysis and sampling.
+errors, what a run folder holds (a checkpoint, a finished run), a failed save as one line, and
+model loading for analysis and sampling.
 
 A checkpoint written by train.py is a dict with keys model (state dict without `_orig_mod.`),
 model_args (GPTConfig as a dict), config (TrainConfig as a dict), optimizer, step,
@@ -10,6 +11,7 @@ torch.load(weights_only=True) and never runs pickled code.
 
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import os
 import re
@@ -24,34 +26,62 @@ REQUIRED_KEYS = ("model", "model_args", "config", "step")
 RUN_IDENTITY_KEYS = ("residual", "size", "n_streams")
 # Model settings that change how the same model is computed, not what it is; free to change on resume.
 EXECUTION_KEYS = ("fused_connections",)
+# The marker file train.py writes into out_dir when a run reaches max_iters; it holds that step.
+DONE_FILE = "done"
 
 
 class CheckpointError(Exception):
     """A missing, truncated, corrupt or incompatible checkpoint, as one line."""
 
 
+class SaveError(Exception):
+    """A checkpoint save that failed, as one line that names the checkpoint kept on disk."""
+
+
 def save_checkpoint(path, obj):
     """Write obj with torch.save to a temporary file `<path>.<random>.tmp` in the same directory,
     fsync it, then rename it over `path`: a crash at any moment leaves either the old file or the
     new one, whole. The writer holds an exclusive flock on the temporary file until it is renamed,
-    so remove_stale_temp_files can tell a save in progress from one whose process died."""
+    so remove_stale_temp_files can tell a save in progress from one whose process died. When a
+    write fails (a full disk), the OSError is raised, not the RuntimeError torch's writer makes of it."""
     directory = os.path.dirname(os.path.abspath(path))
     f, tmp_path = _locked_temp_file(path)
+    writer = _ErrorKeepingWriter(f)
     try:
         with f:
-            torch.save(obj, f)
+            torch.save(obj, writer)
             f.flush()
             os.fsync(f.fileno())
             os.replace(tmp_path, path)  # still locked: never an unlocked file under a temp name
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp_path)
+        if writer.error is not None and writer.error is not e:
+            raise writer.error from None
         raise
     dir_fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(dir_fd)  # make the rename itself durable
     finally:
         os.close(dir_fd)
+
+
+class _ErrorKeepingWriter:
+    """The file object torch.save writes through: it keeps the first OSError of a write (its errno
+    says why), which torch's zip writer would otherwise turn into "unexpected pos"."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data):
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+
+    def flush(self):
+        self.f.flush()
 
 
 def _locked_temp_file(path):
@@ -93,6 +123,83 @@ def remove_stale_temp_files(path):
                 os.unlink(tmp_path)
                 removed, freed = removed + 1, freed + size
     return removed, freed
+
+
+def has_checkpoint(path):
+    """Whether a checkpoint is saved at path (a save in progress or killed is only a temp file)."""
+    return os.path.isfile(path)
+
+
+def finished_step(out_dir):
+    """The step recorded in out_dir's `done` marker, or None when the run has not finished."""
+    try:
+        with open(os.path.join(out_dir, DONE_FILE), encoding="utf-8") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def checkpoint_bytes(path):
+    """The size of the checkpoint at path (0 when there is none)."""
+    return os.path.getsize(path) if has_checkpoint(path) else 0
+
+
+def free_bytes(directory):
+    """Bytes an unprivileged writer can still put into directory's filesystem."""
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
+
+
+def low_space_warning(path):
+    """A warning line when the folder of path has less free space than the checkpoint there takes:
+    the next save writes a new one beside it before the old one goes, and would fail. None otherwise."""
+    size = checkpoint_bytes(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    free = free_bytes(directory)
+    if free >= size:
+        return None
+    return (f"warning: {directory} has {free / 1e6:.1f} MB free, less than the {size / 1e6:.1f} MB of {path}; "
+            f"the next checkpoint save will fail with a full disk unless space is freed")
+
+
+def save_failure_line(error, path, step, kept_step):
+    """One line for an exception raised while saving the checkpoint of `step` to path: what
+    failed (a full disk found by the errno in the exception's chain, a denied permission, a
+    vanished folder, or the exception's own first line), where, and which checkpoint is kept
+    (kept_step, the step of the last good save; None before the first)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os_error = _os_error_in(error)
+    code = os_error.errno if os_error is not None else None
+    if code == errno.ENOSPC:
+        why = f"the disk is full (ENOSPC, no space left on device in {directory})"
+    elif code == errno.EDQUOT:
+        why = f"the disk quota is used up (EDQUOT) in {directory}"
+    elif code in (errno.EACCES, errno.EPERM):
+        why = f"permission denied writing to {directory}"
+    elif code == errno.EROFS:
+        why = f"{directory} is on a read-only filesystem"
+    elif not os.path.isdir(directory):
+        why = f"the folder {directory} no longer exists"
+    else:
+        shown = os_error if os_error is not None else error
+        message = str(shown).strip().splitlines()[0][:200] if str(shown).strip() else ""
+        why = f"{type(shown).__name__}: {message}" if message else type(shown).__name__
+    if has_checkpoint(path) and kept_step is not None:
+        kept = f"{path} keeps the checkpoint of step {kept_step}; continue from it with --init_from=auto"
+    else:
+        kept = f"no checkpoint is kept in {directory}"
+    return f"saving the checkpoint of step {step} to {path} failed: {why}; {kept}"
+
+
+def _os_error_in(error):
+    """The first OSError in error's chain of causes and contexts, or None."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, OSError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def load_checkpoint(path):

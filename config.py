@@ -31,7 +31,7 @@ SIZE_LEARNING_RATES = {"tiny": (1e-3, 1e-4), "S": (1e-3, 1e-4), "M": (6e-4, 6e-5
 IDENTITY_KEYS = ("dataset", "size", "residual")
 
 CHOICES = {
-    "init_from": ("scratch", "resume"),
+    "init_from": ("scratch", "resume", "auto"),
     "dtype": ("auto", "float32", "bfloat16"),
     "compile": ("auto", "true", "false"),
     "compile_mode": COMPILE_MODES,
@@ -73,6 +73,7 @@ RANGES = (
     ("eval_interval", lambda v: v >= 1, ">= 1"),
     ("eval_iters", lambda v: v >= 1, ">= 1"),
     ("log_interval", lambda v: v >= 1, ">= 1"),
+    ("ckpt_interval", lambda v: v >= 0, ">= 0 (0: save only at evaluations)"),
     ("peak_flops", lambda v: v > 0, "> 0 (or None: looked up from the GPU name)"),
     ("seed", lambda v: 0 <= v < 2**31, "in [0, 2**31) (numpy seeds rank r with seed + r)"),
 )
@@ -137,6 +138,7 @@ class TrainConfig:
     eval_iters: int = 200
     log_interval: int = 10
     always_save_checkpoint: bool = True
+    ckpt_interval: int = 0  # also save every this many steps, without an evaluation; 0: only at evaluations
     # system
     device: str = "auto"  # auto | cpu | cuda | cuda:N (torchrun picks cuda:LOCAL_RANK)
     dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
@@ -145,7 +147,7 @@ class TrainConfig:
     peak_flops: typing.Optional[float] = None  # for MFU; None: looked up from the GPU name
     seed: int = 1337
     out_dir: typing.Optional[str] = None  # None: out/<dataset>-<size>-<residual>-s<seed>
-    init_from: str = "scratch"
+    init_from: str = "scratch"  # resume: continue out_dir's checkpoint; auto: resume if there is one, else scratch
     wandb_log: bool = False
     wandb_project: str = "mhc-lite"
     wandb_run_name: typing.Optional[str] = None  # None: the out_dir name

@@ -3,10 +3,14 @@
 One GPU or CPU:  python train.py configs/owt.py configs/S.py configs/mhclite.py
 8 GPUs (DDP):    torchrun --standalone --nproc_per_node=8 train.py configs/owt.py configs/M.py configs/mhc.py
 Resume:          the same command plus --init_from=resume (continues the exact trajectory)
+Start or resume: --init_from=auto resumes out_dir's checkpoint if there is one, else starts from scratch,
+                 and exits at once if the run already finished: one command for the first start and every
+                 restart (torchrun --max-restarts, a requeued batch job)
 
 Config files apply left to right, then --key=value overrides (config.py). Rank 0 writes
-<out_dir>/metrics.jsonl, ckpt.pt and, when finished, the marker file `done`. Exit codes: 0 done,
-1 non-finite loss, 2 bad input, 128 + signal number after SIGTERM or SIGINT (checkpoint saved).
+<out_dir>/metrics.jsonl, ckpt.pt and, when finished, the marker file `done`. Exit codes: 0 done (or
+nothing to do), 1 non-finite loss, 2 bad input, 3 a checkpoint save failed (a full disk, permissions;
+the last good checkpoint is kept), 128 + signal number after SIGTERM or SIGINT (checkpoint saved).
 """
 
 import contextlib
@@ -26,8 +30,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoint import (CheckpointError, check_same_model, check_same_run, load_checkpoint, remove_stale_temp_files,
-                        save_checkpoint)
+from checkpoint import (DONE_FILE, CheckpointError, SaveError, check_same_model, check_same_run, finished_step,
+                        has_checkpoint, load_checkpoint, low_space_warning, remove_stale_temp_files, save_checkpoint,
+                        save_failure_line)
 from config import ConfigError, TrainConfig, load_config
 from model import GPT, GPTConfig, compile_model, connection_path_line, model_shape
 
@@ -296,12 +301,40 @@ def save_run(path, state, cfg, world):
     if world.ddp:
         rng = [None] * world.size
         dist.all_gather_object(rng, rng_state(world.device))
+    error = None
     if world.master:
-        save_checkpoint(path, dict(
-            model=state.model.state_dict(), model_args=asdict(state.model.config), config=asdict(cfg),
-            optimizer=state.optimizer.state_dict(), step=state.step, best_val_loss=state.best_val_loss,
-            rng=rng, data_state=dict(train_generator=state.train_generator.get_state())))
+        try:
+            save_checkpoint(path, dict(
+                model=state.model.state_dict(), model_args=asdict(state.model.config), config=asdict(cfg),
+                optimizer=state.optimizer.state_dict(), step=state.step, best_val_loss=state.best_val_loss,
+                rng=rng, data_state=dict(train_generator=state.train_generator.get_state())))
+        except Exception as e:  # torch's writer raises RuntimeError as well as OSError
+            error = e
+    raise_if_save_failed(error, path, state, world)
     state.saved_step = state.step
+    if world.master:
+        warn_if_low_space(path)
+
+
+def raise_if_save_failed(error, path, state, world):
+    """Share every rank's outcome of a save (error: its exception, or None): if any rank's part
+    failed, every rank raises the same SaveError line, which names the checkpoint still on disk,
+    so that all ranks stop together instead of waiting for the one that left."""
+    line = None if error is None else save_failure_line(error, path, state.step, state.saved_step)
+    lines = [line]
+    if world.ddp:
+        lines = [None] * world.size
+        dist.all_gather_object(lines, line)
+    failed = [line for line in lines if line is not None]
+    if failed:
+        raise SaveError(failed[0])
+
+
+def warn_if_low_space(path):
+    """Rank 0: say before the next save whether it would run out of disk."""
+    warning = low_space_warning(path)
+    if warning:
+        log(warning)
 
 
 def restore_run(state, ckpt, world):
@@ -484,11 +517,49 @@ def build_model_config(cfg, vocab_size):
                      mixing_dtype=cfg.mixing_dtype, **shape)
 
 
-def resume_checkpoint(cfg, ckpt_path, master):
+def start_mode(cfg, ckpt_path, world):
+    """How this start goes: "scratch", "resume", or "finished" (auto on a run whose `done` marker
+    reached max_iters). For auto, rank 0 looks into out_dir and tells the others, so that every rank
+    goes the same way, or raises the same error."""
+    if cfg.init_from != "auto":
+        return cfg.init_from
+    decision = [None]
+    if world.master:
+        try:
+            decision = [(auto_start_mode(cfg, ckpt_path), None)]
+        except CheckpointError as e:
+            decision = [(None, str(e))]
+    if world.ddp:
+        dist.broadcast_object_list(decision, src=0)
+    mode, error = decision[0]
+    if error is not None:
+        raise CheckpointError(error)
+    return mode
+
+
+def auto_start_mode(cfg, ckpt_path):
+    """--init_from=auto: "finished" when out_dir's run reached max_iters, "resume" when it holds a
+    checkpoint, else "scratch". A finished run's config.json must name this run."""
+    done = finished_step(cfg.out_dir)
+    if done is not None and done >= cfg.max_iters:
+        config_path = os.path.join(cfg.out_dir, "config.json")
+        try:
+            with open(config_path, encoding="utf-8") as f:
+                saved = json.load(f)
+        except (OSError, ValueError):
+            saved = None  # written at every start; a kill may have cut it, and the marker came later
+        if isinstance(saved, dict):
+            check_same_run(dict(config=saved), asdict(cfg), config_path)
+        return "finished"
+    return "resume" if has_checkpoint(ckpt_path) else "scratch"
+
+
+def resume_checkpoint(cfg, mode, ckpt_path, master):
     """The checkpoint to continue (None for a fresh start), checked against this run."""
-    if cfg.init_from == "scratch":
+    if mode == "scratch":
         if os.path.exists(ckpt_path):
-            raise ConfigError(f"{ckpt_path} exists; continue it with --init_from=resume or pick another --out_dir")
+            raise ConfigError(f"{ckpt_path} exists; continue it with --init_from=resume (or auto) "
+                              f"or pick another --out_dir")
         return None
     ckpt = load_checkpoint(ckpt_path)
     check_same_run(ckpt, asdict(cfg), ckpt_path)
@@ -523,13 +594,15 @@ def start_out_dir(cfg, model, step, tokens_per_step, dtype, world):
     os.makedirs(cfg.out_dir, exist_ok=True)
     with open(os.path.join(cfg.out_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(dict(asdict(cfg), connections=connections), f, indent=2)
-    done_path = os.path.join(cfg.out_dir, "done")
+    done_path = os.path.join(cfg.out_dir, DONE_FILE)
     if os.path.exists(done_path) and step < cfg.max_iters:
         os.remove(done_path)
-    removed, freed = remove_stale_temp_files(os.path.join(cfg.out_dir, "ckpt.pt"))
+    ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
+    removed, freed = remove_stale_temp_files(ckpt_path)
     if removed:
         log(f"removed {removed} stale checkpoint temp file(s) in {cfg.out_dir} ({freed / 1e6:.1f} MB), "
             f"left by a save that was killed")
+    warn_if_low_space(ckpt_path)
     log(f"{cfg.residual} {cfg.size}: {model.get_num_params() / 1e6:.2f}M parameters, "
         f"{tokens_per_step:,} tokens/step on {world.size} x {world.device.type} ({dtype}), "
         f"{'resuming at' if step else 'starting at'} step {step} of {cfg.max_iters} -> {cfg.out_dir}")
@@ -578,7 +651,14 @@ def train(cfg, world):
     wandb = import_wandb() if cfg.wandb_log and world.master else None  # fail before any work
     dtype, ctx = autocast_context(cfg, world.device)
     ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
-    ckpt = resume_checkpoint(cfg, ckpt_path, world.master)
+    mode = start_mode(cfg, ckpt_path, world)
+    if mode == "finished":
+        if world.master:
+            log(f"nothing to do: {cfg.out_dir} finished at step {finished_step(cfg.out_dir)} "
+                f"(max_iters={cfg.max_iters})")
+        return 0
+    ckpt = resume_checkpoint(cfg, mode, ckpt_path, world.master)
+    resuming = ckpt is not None
     raw_model = build_model(cfg, vocab_size, ckpt, ckpt_path, world)
     optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
                                                world.device.type)
@@ -596,12 +676,12 @@ def train(cfg, world):
     if world.master:
         start_out_dir(cfg, raw_model, state.step, tokens_per_step, dtype, world)
     metrics = MetricsWriter(os.path.join(cfg.out_dir, "metrics.jsonl"), world.master,
-                            state.step if cfg.init_from == "resume" else None,
+                            state.step if resuming else None,
                             start_wandb(wandb, cfg) if wandb is not None else None)
     stop = StopFlag(world.ddp, world.device)
     first_step = state.step + 1  # it compiles under torch.compile: timed apart from the others
     try:
-        if cfg.init_from == "scratch":
+        if not resuming:
             evaluate_and_save(model, eval_sets, state, ctx, cfg, world, metrics, ckpt_path)
         pending = []  # (step, lr, loss, grad norm) on the device until the next log point
         synchronize(world.device)
@@ -617,7 +697,8 @@ def train(cfg, world):
 
             signum = stop.agreed()
             is_eval = state.step % cfg.eval_interval == 0 or state.step == cfg.max_iters
-            if state.step % cfg.log_interval == 0 or is_eval or signum:
+            is_save = cfg.ckpt_interval > 0 and state.step % cfg.ckpt_interval == 0
+            if state.step % cfg.log_interval == 0 or is_eval or is_save or signum:
                 # every loss is checked before any save, so ckpt.pt stays the last good checkpoint
                 last = flush_steps(pending, window_start, first_step, tokens_per_step, raw_model, peak, metrics)
                 if world.master:
@@ -625,12 +706,14 @@ def train(cfg, world):
                 pending = []
                 if is_eval:
                     evaluate_and_save(model, eval_sets, state, ctx, cfg, world, metrics, ckpt_path)
+                if is_save and state.saved_step != state.step:
+                    save_run(ckpt_path, state, cfg, world)
                 if signum:
                     if state.saved_step != state.step:
                         save_run(ckpt_path, state, cfg, world)
                     if world.master:
                         log(f"stopped by signal {signum} after step {state.step}; checkpoint saved to {ckpt_path}; "
-                            f"continue with --init_from=resume")
+                            f"continue with --init_from=auto (or resume)")
                     return 128 + signum
                 window_start = time.perf_counter()
         if state.saved_step != state.step:
@@ -648,7 +731,7 @@ def train(cfg, world):
 
 
 def mark_done(out_dir, state, ckpt_path):
-    with open(os.path.join(out_dir, "done"), "w", encoding="utf-8") as f:
+    with open(os.path.join(out_dir, DONE_FILE), "w", encoding="utf-8") as f:
         f.write(f"{state.step}\n")
     log(f"done: step {state.step}, best val loss {state.best_val_loss:.4f}, checkpoint {ckpt_path}")
 
@@ -672,6 +755,9 @@ def main(argv=None):
     except NonFiniteError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
+    except SaveError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(3)
     if code:
         sys.exit(code)
 

@@ -9,8 +9,8 @@
 # Each run writes <out_root>/<dataset>-<size>-<residual>-s<seed>/ with its train.log (--out_root
 # DIR, default out/ in the repository); --authors adds configs/authors.py (docs/faithfulness.md) to
 # every run and writes <dataset>-<size>-<residual>-authors-s<seed>/. A run with a `done` marker is
-# skipped; a run with a checkpoint but no marker is resumed (train.py returns at once if it is
-# already at max_iters). --hellaswag runs analysis/hellaswag.py on every finished run that has no
+# skipped; every other run starts with --init_from=auto, so a run cut short continues from its
+# checkpoint and a new one starts from scratch. --hellaswag runs analysis/hellaswag.py on every finished run that has no
 # hellaswag.json yet (--hellaswag_data FILE: a local copy of the items instead of the hub's).
 # A failed run is reported and the sweep goes on (exit status 1 at the end). Ctrl-C, or SIGTERM
 # to the process group (kill -TERM -- -PGID, as schedulers do): the running job saves a
@@ -106,8 +106,7 @@ for seed in $SEEDS; do
                 cmd=("$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" train.py
                      "$(dataset_config "$dataset")" "configs/$size.py" "configs/$residual.py")
                 cmd+=("${SETTINGS[@]}")
-                cmd+=("--seed=$seed" "--out_dir=$out")
-                [ -f "$out/ckpt.pt" ] && cmd+=(--init_from=resume)
+                cmd+=("--seed=$seed" "--out_dir=$out" --init_from=auto)
                 cmd+=("${EXTRA[@]}")
                 if [ "$DRY_RUN" = 1 ]; then
                     printf '%q ' "${cmd[@]}"

@@ -84,6 +84,7 @@ def test_values_are_coerced_to_the_field_types():
     ("--compile=sometimes", ["compile", "auto, True or False"]),
     ("--residual=foo", ["unknown residual 'foo'", "res, hc, mhc, mhclite"]),
     ("--size=XL", ["unknown size 'XL'", "tiny, S, M, L"]),
+    ("--init_from=latest", ["unknown init_from 'latest'", "scratch, resume, auto"]),
     ("--dtype=float16", ["unknown dtype", "float32, bfloat16"]),
     ("--device=tpu", ["unknown device 'tpu'"]),
     ("--batch_size=0", ["batch_size must be >= 1"]),
@@ -177,6 +178,7 @@ def test_train_cli_prints_one_error_line_and_exits_2(args, words):
     ("--max_iters=0", ["max_iters must be >= 1"]),
     ("--eval_interval=0", ["eval_interval must be >= 1"]),
     ("--log_interval=-5", ["log_interval must be >= 1"]),
+    ("--ckpt_interval=-1", ["ckpt_interval must be >= 0 (0: save only at evaluations)"]),
     ("--eval_iters=0", ["eval_iters must be >= 1"]),
     ("--gradient_accumulation_steps=0", ["gradient_accumulation_steps must be >= 1"]),
     ("--block_size=0", ["block_size must be >= 1"]),
@@ -207,7 +209,7 @@ def test_a_min_lr_left_at_the_size_default_says_so():
     ["--min_lr=0", "--grad_clip=0", "--weight_decay=0", "--warmup_iters=0", "--beta1=0", "--dropout=0.5"],
     ["--max_iters=100"],  # a smoke run that never leaves the default 200-step warmup
     ["--warmup_iters=100", "--lr_decay_iters=101"],
-    ["--mhclite_perms=None", "--peak_flops=None", "--seed=0"],
+    ["--mhclite_perms=None", "--peak_flops=None", "--seed=0", "--ckpt_interval=0"],
     ["--learning_rate=3e37", "--beta1=0.9"],  # a first AdamW step of 3e38 still fits a float32
 ])
 def test_values_at_the_edges_of_their_ranges_are_accepted(args):

@@ -1,0 +1,49 @@
+"""train.py with a fault, for tests: run under torchrun in place of train.py, with the same
+arguments. On torchrun's first launch (TORCHELASTIC_RESTART_COUNT=0), just before optimizer step
+FAULT_BEFORE_STEP, the rank FAULT_RANK either kills itself with SIGKILL (FAULT=sigkill: an
+out-of-memory kill, a lost node) or sends SIGTERM to torchrun (FAULT=sigterm_launcher: what a
+scheduler does before a time limit). Every later launch runs train.py untouched."""
+import os
+import signal
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import train  # noqa: E402
+
+FAULT = os.environ["FAULT"]
+FAULT_RANK = int(os.environ["FAULT_RANK"])
+FAULT_BEFORE_STEP = int(os.environ["FAULT_BEFORE_STEP"])
+real_train_step = train.train_step
+
+
+def train_step_with_fault(train_model, state, *args):
+    if state.step + 1 == FAULT_BEFORE_STEP and int(os.environ["RANK"]) == FAULT_RANK:
+        if FAULT == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif FAULT == "sigterm_launcher":
+            term_launcher_and_wait()
+    return real_train_step(train_model, state, *args)
+
+
+def term_launcher_and_wait():
+    """SIGTERM to torchrun, then wait until torchrun's SIGTERM reaches this worker, so that the
+    run stops at the end of this step however slowly the machine passes it on."""
+    received = []
+    handler = signal.getsignal(signal.SIGTERM)
+
+    def record_and_pass_on(signum, frame):
+        received.append(signum)
+        if callable(handler):
+            handler(signum, frame)
+
+    signal.signal(signal.SIGTERM, record_and_pass_on)
+    os.kill(os.getppid(), signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while not received and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+if os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+    train.train_step = train_step_with_fault
+train.main()
