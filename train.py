@@ -30,6 +30,7 @@ from checkpoint import (CheckpointError, check_same_model, check_same_run, load_
                         save_checkpoint)
 from config import ConfigError, TrainConfig, load_config
 from model import GPT, GPTConfig, compile_model, connection_path_line, model_shape
+from parallelize import apply_ac
 
 GPT2_PADDED_VOCAB = 50304  # GPT-2's 50257 tokens padded to a multiple of 64
 PREPARE_COMMANDS = {
@@ -580,6 +581,8 @@ def train(cfg, world):
     ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
     ckpt = resume_checkpoint(cfg, ckpt_path, world.master)
     raw_model = build_model(cfg, vocab_size, ckpt, ckpt_path, world)
+    if cfg.activation_checkpointing:
+        apply_ac(raw_model)
     optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
                                                world.device.type)
     state = TrainState(raw_model, optimizer, make_generator(cfg.seed, TRAIN_STREAM))
