@@ -13,6 +13,7 @@ extrapolated; --check counts the full-depth model at full length and prints both
 
 import argparse
 import contextlib
+import gc
 import math
 import sys
 
@@ -42,7 +43,10 @@ def counted(size, residual, n_layer, length, vocab_size, dtype, checkpointed):
         apply_ac(model)
     ctx = (torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bfloat16" else contextlib.nullcontext())
     tokens = torch.randint(vocab_size, (1, length + 1), generator=torch.Generator().manual_seed(0))
-    return saved_activation_bytes(model, tokens[:, :-1], tokens[:, 1:], ctx)
+    saved = saved_activation_bytes(model, tokens[:, :-1], tokens[:, 1:], ctx)
+    del model
+    gc.collect()  # the model sits in reference cycles; free it before the next one is built
+    return saved
 
 
 def activation_formula(size, residual, vocab_size, dtype, checkpointed):
