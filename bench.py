@@ -158,12 +158,13 @@ def saved_activation_bytes(model, x, y, ctx):
     def pack(tensor):
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in parameters:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
+            storages[storage.data_ptr()] = storage  # alive until counted, so no address is reused
+        # The graph keeps nothing: had it kept its own outputs here, it would sit in a reference
+        # cycle through autograd's C++ nodes that Python's collector cannot see, never freed.
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), ctx:
-        model(x, y)
-    return sum(storages.values())
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda packed: None), ctx:
+        model(x, y)  # forward only: nothing is unpacked
+    return sum(storage.nbytes() for storage in storages.values())
 
 
 def state_bytes(model, optimizer):

@@ -24,8 +24,10 @@ from residuals import RESIDUALS, RMS_EPS
 
 REPO_DIR = os.path.dirname(os.path.abspath(__file__))
 
-# (learning rate, minimum learning rate) per size, paper Appendix A; tiny (CPU demo) is ours.
-SIZE_LEARNING_RATES = {"tiny": (1e-3, 1e-4), "S": (1e-3, 1e-4), "M": (6e-4, 6e-5), "L": (3e-4, 3e-5)}
+# (learning rate, minimum learning rate) per size, paper Appendix A. Ours: tiny (CPU demo), and XL
+# and 7B, which continue the paper's rule (GPT-3's rates for the nearest of its sizes, min lr / 10).
+SIZE_LEARNING_RATES = {"tiny": (1e-3, 1e-4), "S": (1e-3, 1e-4), "M": (6e-4, 6e-5), "L": (3e-4, 3e-5),
+                       "XL": (2e-4, 2e-5), "7B": (1.2e-4, 1.2e-5)}
 
 # Keys that name what a run is; two config files setting them differently is an error.
 IDENTITY_KEYS = ("dataset", "size", "residual")
@@ -107,6 +109,7 @@ class TrainConfig:
     dropout: float = 0.0
     bias: bool = False
     recompute_connections: bool = False
+    activation_checkpointing: bool = False  # recompute each block's forward in backward (parallelize.apply_ac)
     stream_dtype: str = "float32"  # the HC family's n streams stored in float32 or bfloat16
     fused_connections: bool = False  # Triton kernels for the HC family on CUDA; opt-in until measured on a GPU
     # the paper as written (defaults) or as the authors' code ran it (configs/authors.py, docs/faithfulness.md)

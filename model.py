@@ -23,6 +23,8 @@ MODEL_SIZES = {
     "S": dict(n_layer=6, n_head=8, n_embd=512),
     "M": dict(n_layer=12, n_head=12, n_embd=768),
     "L": dict(n_layer=24, n_head=16, n_embd=1024),
+    "XL": dict(n_layer=48, n_head=25, n_embd=1600),  # ours past the paper: GPT-2 XL's shape
+    "7B": dict(n_layer=32, n_head=32, n_embd=4096),  # ours: GPT-3 6.7B's shape, needs sharding on 8 x 80 GB
 }
 
 

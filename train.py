@@ -35,6 +35,7 @@ from checkpoint import (DONE_FILE, CheckpointError, SaveError, check_same_model,
                         save_failure_line)
 from config import ConfigError, TrainConfig, load_config
 from model import GPT, GPTConfig, compile_model, connection_path_line, model_shape
+from parallelize import apply_ac
 
 GPT2_PADDED_VOCAB = 50304  # GPT-2's 50257 tokens padded to a multiple of 64
 PREPARE_COMMANDS = {
@@ -660,6 +661,8 @@ def train(cfg, world):
     ckpt = resume_checkpoint(cfg, mode, ckpt_path, world.master)
     resuming = ckpt is not None
     raw_model = build_model(cfg, vocab_size, ckpt, ckpt_path, world)
+    if cfg.activation_checkpointing:
+        apply_ac(raw_model)
     optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
                                                world.device.type)
     state = TrainState(raw_model, optimizer, make_generator(cfg.seed, TRAIN_STREAM))

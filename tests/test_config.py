@@ -34,8 +34,10 @@ def assert_one_line_config_error(arg, words):
         assert word in message
 
 
-@pytest.mark.parametrize("size, lr, min_lr", [("S", 1e-3, 1e-4), ("M", 6e-4, 6e-5), ("L", 3e-4, 3e-5)])
+@pytest.mark.parametrize("size, lr, min_lr", [("S", 1e-3, 1e-4), ("M", 6e-4, 6e-5), ("L", 3e-4, 3e-5),
+                                               ("XL", 2e-4, 2e-5), ("7B", 1.2e-4, 1.2e-5)])
 def test_size_files_and_size_override_give_the_papers_learning_rates(size, lr, min_lr):
+    """S, M, L: the paper's; XL and 7B (ours) continue its rule with GPT-3's rates for those shapes."""
     from_file = load_config([os.path.join(REPO_DIR, "configs", f"{size}.py")])
     from_flag = load_config([f"--size={size}"])
     for cfg in (from_file, from_flag):
@@ -83,7 +85,7 @@ def test_values_are_coerced_to_the_field_types():
     ("--mhclite_perms=all", ["mhclite_perms", "int or None"]),
     ("--compile=sometimes", ["compile", "auto, True or False"]),
     ("--residual=foo", ["unknown residual 'foo'", "res, hc, mhc, mhclite"]),
-    ("--size=XL", ["unknown size 'XL'", "tiny, S, M, L"]),
+    ("--size=XXL", ["unknown size 'XXL'", "tiny, S, M, L, XL, 7B"]),
     ("--init_from=latest", ["unknown init_from 'latest'", "scratch, resume, auto"]),
     ("--dtype=float16", ["unknown dtype", "float32, bfloat16"]),
     ("--device=tpu", ["unknown device 'tpu'"]),

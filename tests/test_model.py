@@ -93,8 +93,9 @@ def test_logits_for_generation_are_last_position_only():
     assert logits.shape == (2, 1, VOCAB) and loss is None
 
 
-@pytest.mark.parametrize("size,expected", [("S", 44.7e6), ("M", 124.0e6), ("L", 353.9e6)])
+@pytest.mark.parametrize("size,expected", [("S", 44.7e6), ("M", 124.0e6), ("L", 353.9e6), ("XL", 1.56e9), ("7B", 6.65e9)])
 def test_parameter_counts_match_paper_sizes(size, expected):
+    """The paper's S/M/L; past it, GPT-2 XL's 1.5B and GPT-3 6.7B's shapes with our padded vocabulary."""
     with torch.device("meta"):
         counts = {r: GPT(GPTConfig(residual=r, **model_shape(size))).parameter_counts()
                   for r in ("res", "hc", "mhc", "mhclite")}
@@ -141,8 +142,8 @@ def test_config_errors_are_one_line(overrides, message):
 
 
 def test_unknown_size_names_valid_sizes():
-    with pytest.raises(ValueError, match="unknown size 'XL'; valid: tiny, S, M, L"):
-        model_shape("XL")
+    with pytest.raises(ValueError, match="unknown size 'XXL'; valid: tiny, S, M, L, XL, 7B"):
+        model_shape("XXL")
 
 
 def test_res_forces_one_stream():
