@@ -35,6 +35,7 @@ CHOICES = {
     "dtype": ("auto", "float32", "bfloat16"),
     "compile": ("auto", "true", "false"),
     "compile_mode": COMPILE_MODES,
+    "parallel": ("ddp", "fsdp"),
     "stream_dtype": ("float32", "bfloat16"),
     "final_norm": FINAL_NORMS,
     "sinkhorn_order": SINKHORN_ORDERS,
@@ -138,6 +139,7 @@ class TrainConfig:
     log_interval: int = 10
     always_save_checkpoint: bool = True
     # system
+    parallel: str = "ddp"  # ddp: every process holds the whole model; fsdp: sharded (FSDP2, under torchrun)
     device: str = "auto"  # auto | cpu | cuda | cuda:N (torchrun picks cuda:LOCAL_RANK)
     dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
     compile: str = "auto"  # auto: on for cuda
