@@ -190,16 +190,16 @@ def has_checkpoint(out_dir):
 
 
 def save_sharded(path, model, optimizer, run_state):
-    """Save to the sharded checkpoint `path` (<out_dir>/ckpt.dcp). Every rank calls it: each writes its own shards of the model (sharded by
-    parallelize.apply_fsdp) and of its optimizer into a new folder `ckpt.dcp.<step>`; rank 0 adds
-    run.pt (run_state: a checkpoint dict without model and optimizer), then points the link
-    ckpt.dcp at the folder with an atomic rename and removes the folders it replaced. A crash or an
-    exception before the rename leaves the link on the previous complete checkpoint; the next save
-    removes what the failed one wrote."""
+    """Save to the sharded checkpoint `path` (<out_dir>/ckpt.dcp). Every rank calls it: each writes
+    its own shards of the model (sharded by parallelize.apply_fsdp) and of its optimizer into a new
+    folder `ckpt.dcp.<step>`; rank 0 adds run.pt (run_state: a checkpoint dict without model and
+    optimizer), then points the link ckpt.dcp at the folder with an atomic rename and removes the
+    folders it replaced. A crash or an exception before the rename leaves the link on the previous
+    complete checkpoint; the next save removes what the failed one wrote."""
     out_dir = os.path.dirname(os.path.abspath(path))
     names = [_fresh_folder_name(out_dir, run_state["step"]) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(names)
-    folder = os.path.join(out_dir, names[0])
+    folder, linked = os.path.join(out_dir, names[0]), False
     try:
         fresh = not optimizer.state
         model_state, optimizer_state = get_state_dict(model, optimizer)
@@ -211,9 +211,10 @@ def save_sharded(path, model, optimizer, run_state):
         if dist.get_rank() == 0:
             save_checkpoint(os.path.join(folder, RUN_STATE_FILE), run_state)
             _point_link(out_dir, names[0])
+            linked = True
             remove_stale_sharded(out_dir)
     except BaseException:
-        if dist.get_rank() == 0:
+        if dist.get_rank() == 0 and not linked:
             shutil.rmtree(folder, ignore_errors=True)
         raise
     dist.barrier()  # no rank returns (and maybe exits) before the link names the new checkpoint
@@ -272,9 +273,10 @@ def load_sharded(path, model, optimizer=None):
         state = dict(model={k: v.view(1) if v.dim() == 0 else v for k, v in model.state_dict().items()})
     else:
         model_state, optimizer_state = get_state_dict(model, optimizer if optimizer is not None else [])
-        state = dict(model=model_state, optimizer=optimizer_state) if optimizer is not None else dict(model=model_state)
+        state = dict(model=model_state) if optimizer is None else dict(model=model_state, optimizer=optimizer_state)
     try:
-        dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
+        dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(),
+                 no_dist=not dist.is_initialized())
     except Exception as e:  # DCP wraps every rank's failure in its own exception types
         reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{path} is truncated, corrupt or not a checkpoint of this model ({reason})") from None

@@ -7,6 +7,7 @@ import this file: the model a user copies stays a plain nn.Module.
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 
 def apply_fsdp(model, compute_dtype=torch.float32):
@@ -27,10 +28,17 @@ def apply_fsdp(model, compute_dtype=torch.float32):
     gemm_weights = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32,
                                         cast_forward_inputs=False)
     as_vectors(model)
+    # A connection's projection has few rows (n + 2, or 2n + K) and wide ones (C or nC): split by
+    # columns, every rank holds whole rows, which the authors' weight decay of some rows needs.
+    by_columns = {id(connection.proj.weight) for connection in model.connections()}
+
+    def placement(param):
+        return Shard(1) if id(param) in by_columns else None
+
     for block in model.transformer.h:
         fully_shard(block.attn, mp_policy=gemm_weights)
         fully_shard(block.mlp, mp_policy=gemm_weights)
-        fully_shard(block, mp_policy=keep_fp32)
+        fully_shard(block, mp_policy=keep_fp32, shard_placement_fn=placement)
     fully_shard(model, mp_policy=keep_fp32)
     return model
 

@@ -77,7 +77,8 @@ def setup_distributed(cfg):
     """The World from torchrun's environment variables (one process without them)."""
     ddp = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if cfg.parallel == "fsdp" and not ddp:
-        raise ConfigError("--parallel=fsdp runs under torchrun, e.g. torchrun --standalone --nproc_per_node=1 train.py ...")
+        raise ConfigError("--parallel=fsdp runs under torchrun, e.g. torchrun --standalone --nproc_per_node=1 "
+                          "train.py ...")
     rank = int(os.environ["RANK"]) if ddp else 0
     world_size = int(os.environ["WORLD_SIZE"]) if ddp else 1
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
