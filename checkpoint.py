@@ -24,12 +24,14 @@ import pickle
 import re
 import shutil
 import tempfile
+import warnings
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -206,8 +208,11 @@ def save_sharded(path, model, optimizer, run_state):
         if fresh:  # get_state_dict built the state with one zero-gradient step: AdamW's state before any step
             for param_state in optimizer.state.values():
                 param_state["step"].zero_()
-        dcp.save(dict(model=model_state, optimizer=optimizer_state),
-                 storage_writer=dcp.FileSystemWriter(folder, sync_files=True))
+        try:
+            dcp.save(dict(model=model_state, optimizer=optimizer_state),
+                     storage_writer=dcp.FileSystemWriter(folder, sync_files=True))
+        except CheckpointException as e:  # a BaseException: made an ordinary one here
+            raise OSError(f"sharded save to {folder} failed ({first_failure(e)})") from None
         if dist.get_rank() == 0:
             save_checkpoint(os.path.join(folder, RUN_STATE_FILE), run_state)
             _point_link(out_dir, names[0])
@@ -218,6 +223,16 @@ def save_sharded(path, model, optimizer, run_state):
             shutil.rmtree(folder, ignore_errors=True)
         raise
     dist.barrier()  # no rank returns (and maybe exits) before the link names the new checkpoint
+
+
+def first_failure(e):
+    """The first rank's exception in DCP's CheckpointException, as one line."""
+    failures = list(e.failures.values())
+    return one_line(failures[0][0]) if failures else "CheckpointException"
+
+
+def one_line(e):
+    return str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
 
 
 def _fresh_folder_name(out_dir, step):
@@ -275,10 +290,12 @@ def load_sharded(path, model, optimizer=None):
         model_state, optimizer_state = get_state_dict(model, optimizer if optimizer is not None else [])
         state = dict(model=model_state) if optimizer is None else dict(model=model_state, optimizer=optimizer_state)
     try:
-        dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(),
-                 no_dist=not dist.is_initialized())
-    except Exception as e:  # DCP wraps every rank's failure in its own exception types
-        reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        with warnings.catch_warnings():  # DCP warns that one process reads it, which is what we ask for
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(),
+                     no_dist=not dist.is_initialized())
+    except (Exception, CheckpointException) as e:
+        reason = first_failure(e) if isinstance(e, CheckpointException) else one_line(e)
         raise CheckpointError(f"{path} is truncated, corrupt or not a checkpoint of this model ({reason})") from None
     if plain:
         model.load_state_dict(model.state_dict())  # runs the load hooks: mhclite rebuilds its permutation matrices
@@ -337,3 +354,32 @@ class SafeLoadPlanner(dcp.DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
         else:
             self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+def write_single_file(sharded, path):
+    """Write the weights and run state of the sharded checkpoint folder `sharded` as one ckpt.pt
+    at `path`, for tools that want a file; it has no optimizer state: continue the run from the
+    sharded checkpoint."""
+    model, ckpt = load_model(sharded)
+    save_checkpoint(path, dict(ckpt, model=model.state_dict()))
+
+
+def main(argv=None):
+    import argparse
+    import sys
+    p = argparse.ArgumentParser(description="Write a sharded checkpoint (a --parallel=fsdp run's ckpt.dcp) as "
+                                            "one ckpt.pt with its weights and run state, read in this one process.")
+    p.add_argument("sharded", help="the sharded checkpoint folder, e.g. out/run/ckpt.dcp")
+    p.add_argument("single_file", help="the ckpt.pt to write, e.g. out/run-single/ckpt.pt")
+    args = p.parse_args(argv)
+    try:
+        if not os.path.isdir(os.path.dirname(os.path.abspath(args.single_file))):
+            raise CheckpointError(f"no folder for {args.single_file}")
+        write_single_file(args.sharded, args.single_file)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
