@@ -30,7 +30,7 @@ def apply_fsdp(model, compute_dtype=torch.float32):
     as_vectors(model)
     # A connection's projection has few rows (n + 2, or 2n + K) and wide ones (C or nC): split by
     # columns, every rank holds whole rows, which the authors' weight decay of some rows needs.
-    by_columns = {id(connection.proj.weight) for connection in model.connections()}
+    by_columns = {id(c.proj.weight) for c in model.connections() if hasattr(c, "proj")}
 
     def placement(param):
         return Shard(1) if id(param) in by_columns else None

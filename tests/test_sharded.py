@@ -35,13 +35,13 @@ from test_train import read_metrics, tiny_args
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-# 12 steps of 4 micro-batches, every gradient clipped (its norm stays above 0.3), evals at 0, 6 and
-# 12 over 3 batches (one rank of two gets a padding batch).
-SHARED = dict(n_layer=1, n_embd=32, batch_size=2, gradient_accumulation_steps=4, max_iters=12, lr_decay_iters=12,
-              warmup_iters=2, eval_interval=6, eval_iters=3, log_interval=1, grad_clip=0.3)
+# 10 steps of 4 micro-batches, every gradient clipped (its norm stays above 0.3), evals at 0, 5 and
+# 10 over 3 batches (one rank of two gets a padding batch).
+SHARED = dict(n_layer=1, n_embd=32, batch_size=2, gradient_accumulation_steps=4, max_iters=10, lr_decay_iters=10,
+              warmup_iters=2, eval_interval=5, eval_iters=3, log_interval=1, grad_clip=0.3)
 RESIDUALS = ("res", "hc", "mhclite")
 # float32 rounding: the ranks sum their halves of each gradient in another order than one process
-# does (measured ~1e-7 relative), and AdamW's 12 steps carry it on; a gradient summed instead of
+# does (measured ~1e-7 relative), and AdamW's 10 steps carry it on; a gradient summed instead of
 # averaged, an unsynchronised micro-step or a clip over one shard moves the loss by 1e-2 or more.
 RELATIVE = 1e-5
 
@@ -116,7 +116,7 @@ def test_two_sharded_processes_train_as_one_process(runs, residual):
     assert all(r["grad_norm"] > SHARED["grad_clip"] for r in train_records)  # every step clipped
     assert train_records[-1]["train_loss"] < train_records[0]["train_loss"]
     assert os.path.islink(two / "ckpt.dcp") and not (two / "ckpt.pt").exists()
-    assert sorted(p.name for p in two.glob("ckpt.dcp.*")) == ["ckpt.dcp.12"]  # replaced ones removed
+    assert sorted(p.name for p in two.glob("ckpt.dcp.*")) == ["ckpt.dcp.10"]  # replaced ones removed
 
 
 @pytest.mark.slow
@@ -135,7 +135,8 @@ def test_a_sharded_run_cut_by_sigterm_resumes_on_two_or_one_processes(runs, data
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert "stopped by signal" in stdout and "Traceback" not in stderr, stderr[-2000:]
+    # (torchrun itself reports the signal with a traceback; the workers stop cleanly)
+    assert "stopped by signal" in stdout and "[rank0]: Traceback" not in stderr, stderr[-2000:]
     stop_step = checkpoint.load_sharded_run(str(out / "ckpt.dcp"))["step"]
     assert 3 <= stop_step < SHARED["max_iters"] and read_metrics(out)[0][-1]["step"] == stop_step
     shutil.copytree(out, tmp_path / "cut-copy", symlinks=True)
