@@ -223,6 +223,30 @@ def shard_with_bf16_connections(model):
     return fully_shard(model)
 
 
+def test_fused_connections_shard_with_their_block(process_group, monkeypatch):
+    import fused
+    if not fused.TRITON_AVAILABLE or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the fused kernels run on CPU in Triton's interpreter only")
+    monkeypatch.setattr(fused, "INTERPRET_ON_CPU", True)
+    config = GPTConfig(block_size=8, vocab_size=40, n_layer=1, n_head=2, n_embd=32, residual="mhclite",
+                       fused_connections=True)
+    torch.manual_seed(0)
+    plain = randomise(GPT(config), 0.1)
+    sharded = GPT(config)
+    sharded.load_state_dict(plain.state_dict())
+    apply_fsdp(sharded)
+    assert sharded.connection_path(torch.device("cpu"))["path"] == "fused"
+    tokens = torch.randint(0, 40, (2, 8), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for model in (plain, sharded):
+        _, loss = model(tokens, tokens)
+        loss.backward()
+        losses.append(loss.detach())
+    assert torch.equal(losses[0], losses[1])
+    for (name, p), q in zip(plain.named_parameters(), sharded.parameters()):
+        assert torch.equal(p.grad.reshape(-1), q.grad.full_tensor().reshape(-1)), name
+
+
 def test_a_failed_or_killed_save_keeps_the_previous_checkpoint(process_group, tmp_path, monkeypatch):
     config = GPTConfig(block_size=16, vocab_size=40, n_layer=1, n_head=2, n_embd=32, residual="hc")
     model = apply_fsdp(randomise(GPT(config), 0.1))
