@@ -160,6 +160,9 @@ def test_sample_export_and_collector_read_a_sharded_checkpoint(runs, data_dir, t
     from_file, _ = load_model(str(single / "ckpt.pt"))
     for key, value in from_file.state_dict().items():
         assert torch.equal(from_folder.state_dict()[key], value), key
+    line = one_error_line(train.main, tiny_args(data_dir, single, residual="mhclite", init_from="resume", **SHARED),
+                          capsys)
+    assert "weights only" in line and "--parallel=fsdp" in line  # the written file is for reading, not resuming
     # the weights are the one-process run's, to the trajectory's rounding
     one_process, _ = load_model(str(runs["mhclite"][0] / "ckpt.pt"))
     for key, value in one_process.state_dict().items():
