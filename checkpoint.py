@@ -214,7 +214,7 @@ def save_sharded(path, model, optimizer, run_state):
         except CheckpointException as e:  # a BaseException: made an ordinary one here
             raise OSError(f"sharded save to {folder} failed ({first_failure(e)})") from None
         if dist.get_rank() == 0:
-            save_checkpoint(os.path.join(folder, RUN_STATE_FILE), run_state)
+            save_checkpoint(os.path.join(folder, RUN_STATE_FILE), run_state)  # also makes the folder's entries durable
             _point_link(out_dir, names[0])
             linked = True
             remove_stale_sharded(out_dir)
