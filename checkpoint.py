@@ -7,21 +7,41 @@ model_args (GPTConfig as a dict), config (TrainConfig as a dict), optimizer, ste
 best_val_loss, rng (one entry of RNG states per rank) and data_state (the state of the
 training-batch generator). It holds only tensors and plain Python values, so it loads with
 torch.load(weights_only=True) and never runs pickled code.
+
+A sharded checkpoint (train.py --parallel=fsdp) is the folder <out_dir>/ckpt.dcp, a link to the
+newest complete `ckpt.dcp.<step>` folder: torch.distributed.checkpoint's files, one per rank, with
+the model and optimizer state ("model", "optimizer"), and run.pt with everything else of the dict
+above. It loads on any number of processes, or into a plain model in one process (load_model);
+its pickled index is read with an unpickler that builds only DCP's own metadata classes.
 """
 
 import contextlib
 import dataclasses
 import errno
 import fcntl
+import io
 import os
+import pathlib
+import pickle
 import re
+import shutil
 import tempfile
+import warnings
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from model import GPT, GPTConfig
 
 REQUIRED_KEYS = ("model", "model_args", "config", "step")
+SHARDED_NAME = "ckpt.dcp"  # the link to the newest complete sharded checkpoint in an out_dir
+RUN_STATE_FILE = "run.pt"  # a sharded checkpoint's small items: settings, step, RNG states, data position
 # Config keys that decide what a run is; resuming with another value would train a different model.
 RUN_IDENTITY_KEYS = ("residual", "size", "n_streams")
 # Model settings that change how the same model is computed, not what it is; free to change on resume.
@@ -126,8 +146,10 @@ def remove_stale_temp_files(path):
 
 
 def has_checkpoint(path):
-    """Whether a checkpoint is saved at path (a save in progress or killed is only a temp file)."""
-    return os.path.isfile(path)
+    """Whether a complete checkpoint is saved at path: the file ckpt.pt, or a sharded ckpt.dcp whose
+    link names a folder with DCP's index (a save in progress or killed is only a temp file, or a
+    folder no link names)."""
+    return os.path.isfile(path) or os.path.isfile(os.path.join(path, ".metadata"))
 
 
 def finished_step(out_dir):
@@ -140,8 +162,12 @@ def finished_step(out_dir):
 
 
 def checkpoint_bytes(path):
-    """The size of the checkpoint at path (0 when there is none)."""
-    return os.path.getsize(path) if has_checkpoint(path) else 0
+    """The size of the checkpoint at path, a file or a sharded folder (0 when there is none)."""
+    if not has_checkpoint(path):
+        return 0
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(entry.stat().st_size for entry in os.scandir(os.path.realpath(path)) if entry.is_file())
 
 
 def free_bytes(directory):
@@ -202,7 +228,7 @@ def _os_error_in(error):
     return None
 
 
-def load_checkpoint(path):
+def load_checkpoint(path, required=REQUIRED_KEYS):
     """Load a train.py checkpoint onto the CPU; raises CheckpointError with one line."""
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint not found: {path}")
@@ -211,7 +237,7 @@ def load_checkpoint(path):
     except Exception as e:  # torch raises many types for damaged files; all mean the same here
         reason = str(e).strip().split(". ")[0].splitlines()[0][:120] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{path} is truncated, corrupt or not a checkpoint ({reason})") from None
-    missing = [k for k in REQUIRED_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
+    missing = [k for k in required if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         raise CheckpointError(f"{path} is not a train.py checkpoint (missing {', '.join(missing)})")
     return ckpt
@@ -240,14 +266,229 @@ def check_same_model(ckpt, model_args, path):
 
 
 def load_model(path, device="cpu"):
-    """(GPT in eval mode with the checkpoint's weights, checkpoint dict)."""
-    ckpt = load_checkpoint(path)
+    """(GPT in eval mode with the checkpoint's weights, checkpoint dict). path: a ckpt.pt, or a
+    sharded checkpoint folder (ckpt.dcp) read in this one process; its dict then has no "model"."""
+    sharded = os.path.isdir(path)
+    ckpt = load_sharded_run(path) if sharded else load_checkpoint(path)
     try:
         model = GPT(GPTConfig(**ckpt["model_args"]))
-        model.load_state_dict(ckpt["model"])
+        if sharded:
+            load_sharded(path, model)
+        else:
+            model.load_state_dict(ckpt["model"])
     except (TypeError, ValueError, RuntimeError) as e:
         reason = str(e).strip().splitlines()[0]
         raise CheckpointError(f"{path}: cannot build the model from it ({reason})") from None
     model.to(device)
     model.eval()
     return model, ckpt
+
+
+# ----------------------------------------------------------------------------------------------
+# Sharded checkpoints (torch.distributed.checkpoint)
+
+
+def sharded_path(out_dir):
+    return os.path.join(out_dir, SHARDED_NAME)
+
+
+def find_checkpoint(out_dir):
+    """The checkpoint of a run folder for reading: ckpt.pt, else the sharded ckpt.dcp if there is
+    one (else ckpt.pt's path, which load_model reports as not found)."""
+    single = os.path.join(out_dir, "ckpt.pt")
+    return sharded_path(out_dir) if not os.path.isfile(single) and os.path.isdir(sharded_path(out_dir)) else single
+
+
+def save_sharded(path, model, optimizer, run_state):
+    """Save to the sharded checkpoint `path` (<out_dir>/ckpt.dcp). Every rank calls it: each writes
+    its own shards of the model (sharded by parallelize.apply_fsdp) and of its optimizer into a new
+    folder `ckpt.dcp.<step>`; rank 0 adds run.pt (run_state: a checkpoint dict without model and
+    optimizer), then points the link ckpt.dcp at the folder with an atomic rename and removes the
+    folders it replaced. A crash or an exception before the rename leaves the link on the previous
+    complete checkpoint; the next save removes what the failed one wrote. The caller syncs the
+    ranks after it (train.py shares every rank's outcome), so that none goes on before the link
+    names the new checkpoint or a failure is known to all."""
+    out_dir = os.path.dirname(os.path.abspath(path))
+    names = [_fresh_folder_name(out_dir, run_state["step"]) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(names)
+    folder, linked = os.path.join(out_dir, names[0]), False
+    try:
+        fresh = not optimizer.state
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        if fresh:  # get_state_dict built the state with one zero-gradient step: AdamW's state before any step
+            for param_state in optimizer.state.values():
+                param_state["step"].zero_()
+        try:
+            dcp.save(dict(model=model_state, optimizer=optimizer_state),
+                     storage_writer=dcp.FileSystemWriter(folder, sync_files=True))
+        except CheckpointException as e:  # a BaseException: made an ordinary one here
+            raise OSError(f"sharded save to {folder} failed ({first_failure(e)})") from None
+        if dist.get_rank() == 0:
+            save_checkpoint(os.path.join(folder, RUN_STATE_FILE), run_state)  # also makes the folder's entries durable
+            _point_link(out_dir, names[0])
+            linked = True
+            remove_stale_sharded(out_dir)
+    except BaseException:
+        if dist.get_rank() == 0 and not linked:
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+
+
+def first_failure(e):
+    """The first rank's exception in DCP's CheckpointException, as one line."""
+    failures = list(e.failures.values())
+    return one_line(failures[0][0]) if failures else "CheckpointException"
+
+
+def one_line(e):
+    return str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+
+
+def _fresh_folder_name(out_dir, step):
+    names = set(os.listdir(out_dir)) if os.path.isdir(out_dir) else set()
+    name, retry = f"{SHARDED_NAME}.{step}", 1
+    while name in names:  # a folder of this step left by an earlier attempt, perhaps the live one
+        name, retry = f"{SHARDED_NAME}.{step}-{retry}", retry + 1
+    return name
+
+
+def _point_link(out_dir, name):
+    """Make the link ckpt.dcp name `name` (relative, so the run folder can move), atomically."""
+    tmp_link = os.path.join(out_dir, f".{SHARDED_NAME}.link.tmp")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp_link)
+    os.symlink(name, tmp_link)
+    os.replace(tmp_link, sharded_path(out_dir))
+    dir_fd = os.open(out_dir, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def remove_stale_sharded(out_dir):
+    """Delete the ckpt.dcp.* folders the link does not name: replaced checkpoints and what a killed
+    or failed save wrote. Returns the number of folders removed."""
+    live = os.path.basename(os.path.realpath(sharded_path(out_dir)))
+    pattern = re.compile(re.escape(SHARDED_NAME) + r"\.\d+(-\d+)?")
+    stale = [name for name in os.listdir(out_dir) if pattern.fullmatch(name) and name != live]
+    for name in stale:
+        shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
+    return len(stale)
+
+
+def load_sharded_run(path):
+    """The run state of the sharded checkpoint folder `path` (its dict without model and
+    optimizer); raises CheckpointError with one line."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint not found: {path}")
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        raise CheckpointError(f"{path} is truncated, corrupt or not a sharded checkpoint (no .metadata)")
+    return load_checkpoint(os.path.join(path, RUN_STATE_FILE), required=("model_args", "config", "step"))
+
+
+def load_sharded(path, model, optimizer=None):
+    """Read the weights (and the optimizer state, if given) of the sharded checkpoint folder `path`
+    into model: one sharded by parallelize.apply_fsdp on any number of ranks (DCP reshards), or a
+    plain GPT in one process. Raises CheckpointError with one line."""
+    plain = not any(hasattr(p, "device_mesh") for p in model.parameters())
+    if plain:
+        # the scalars were saved as the 1-element vectors apply_fsdp made of them: views share storage
+        state = dict(model={k: v.view(1) if v.dim() == 0 else v for k, v in model.state_dict().items()})
+    else:
+        model_state, optimizer_state = get_state_dict(model, optimizer if optimizer is not None else [])
+        state = dict(model=model_state) if optimizer is None else dict(model=model_state, optimizer=optimizer_state)
+    try:
+        with warnings.catch_warnings():  # DCP warns that one process reads it, which is what we ask for
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(),
+                     no_dist=not dist.is_initialized())
+    except (Exception, CheckpointException) as e:
+        reason = first_failure(e) if isinstance(e, CheckpointException) else one_line(e)
+        raise CheckpointError(f"{path} is truncated, corrupt or not a checkpoint of this model ({reason})") from None
+    if plain:
+        model.load_state_dict(model.state_dict())  # runs the load hooks: mhclite rebuilds its permutation matrices
+    elif optimizer is not None:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    else:
+        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
+
+
+# The classes a DCP .metadata file is built from (torch 2.13), and nothing else.
+METADATA_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name): getattr(dcp_metadata, name)
+    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                 "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+}
+METADATA_CLASSES.update({("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+                         ("torch", "Size"): torch.Size, ("torch.serialization", "_get_layout"):
+                         torch.serialization._get_layout, ("pathlib", "PosixPath"): pathlib.PosixPath})
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """pickle.Unpickler that builds DCP's metadata classes, torch's dtypes and layouts, and refuses
+    every other global, so a crafted .metadata cannot run code."""
+
+    def find_class(self, module, name):
+        if (module, name) in METADATA_CLASSES:
+            return METADATA_CLASSES[(module, name)]
+        value = getattr(torch, name, None) if module == "torch" else None
+        if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+            return value
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """FileSystemReader whose metadata is read with MetadataUnpickler instead of pickle.load (the
+    tensors it reads already go through torch.load(weights_only=True))."""
+
+    def read_metadata(self, *args, **kwargs):
+        with open(os.path.join(self.path, ".metadata"), "rb") as f:
+            metadata = MetadataUnpickler(io.BytesIO(f.read())).load()
+        if not isinstance(metadata, dcp_metadata.Metadata):
+            raise pickle.UnpicklingError("the .metadata file holds no DCP Metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(dcp.DefaultLoadPlanner):
+    """DefaultLoadPlanner that loads the non-tensor items (the optimizer's settings) with
+    torch.load(weights_only=True) instead of a plain unpickling."""
+
+    def load_bytes(self, read_item, value):
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+def write_single_file(sharded, path):
+    """Write the weights and run state of the sharded checkpoint folder `sharded` as one ckpt.pt
+    at `path`, for tools that want a file; it has no optimizer state: continue the run from the
+    sharded checkpoint."""
+    model, ckpt = load_model(sharded)
+    save_checkpoint(path, dict(ckpt, model=model.state_dict()))
+
+
+def main(argv=None):
+    import argparse
+    import sys
+    p = argparse.ArgumentParser(description="Write a sharded checkpoint (a --parallel=fsdp run's ckpt.dcp) as "
+                                            "one ckpt.pt with its weights and run state, read in this one process.")
+    p.add_argument("sharded", help="the sharded checkpoint folder, e.g. out/run/ckpt.dcp")
+    p.add_argument("single_file", help="the ckpt.pt to write, e.g. out/run-single/ckpt.pt")
+    args = p.parse_args(argv)
+    try:
+        if not os.path.isdir(os.path.dirname(os.path.abspath(args.single_file))):
+            raise CheckpointError(f"no folder for {args.single_file}")
+        write_single_file(args.sharded, args.single_file)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -37,6 +37,7 @@ CHOICES = {
     "dtype": ("auto", "float32", "bfloat16"),
     "compile": ("auto", "true", "false"),
     "compile_mode": COMPILE_MODES,
+    "parallel": ("ddp", "fsdp"),
     "stream_dtype": ("float32", "bfloat16"),
     "final_norm": FINAL_NORMS,
     "sinkhorn_order": SINKHORN_ORDERS,
@@ -143,6 +144,7 @@ class TrainConfig:
     always_save_checkpoint: bool = True
     ckpt_interval: int = 0  # also save every this many steps, without an evaluation; 0: only at evaluations
     # system
+    parallel: str = "ddp"  # ddp: every process holds the whole model; fsdp: sharded (FSDP2, under torchrun)
     device: str = "auto"  # auto | cpu | cuda | cuda:N (torchrun picks cuda:LOCAL_RANK)
     dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
     compile: str = "auto"  # auto: on for cuda

@@ -83,7 +83,7 @@ def gpt2_tokenizer():
 
 
 def export(out_dir, export_dir, force=False, data_dir=None):
-    """Write the export folder of the checkpoint <out_dir>/ckpt.pt; returns the folder."""
+    """Write the export folder of the checkpoint <out_dir>/ckpt.pt (or ckpt.dcp); returns the folder."""
     from safetensors.torch import save_file
 
     from hf.configuration_mhclite_gpt import MHCLiteGPTConfig

@@ -335,7 +335,9 @@ class GPT(nn.Module):
                 factor = 1 - optimizer.param_groups[0]["lr"] * weight_decay
                 for param, rows in decayed_rows:
                     if param.grad is not None:  # AdamW skips a parameter without a gradient
-                        param[rows].mul_(factor)
+                        # a parameter sharded by columns (FSDP, parallelize.py) holds every row of its shard
+                        local = param.to_local() if hasattr(param, "to_local") else param
+                        local[rows].mul_(factor)
             optimizer.register_step_pre_hook(decay_rows)
         return optimizer
 

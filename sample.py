@@ -3,10 +3,10 @@
     python sample.py --out_dir=out/demo/mhclite --start="ROMEO:" --num_samples=3 --max_new_tokens=300
     python sample.py --out_dir=out/openwebtext-M-mhc-s1337 --start=FILE:prompt.txt --device=cuda
 
-Loads <out_dir>/ckpt.pt with checkpoint.load_model and reads the run's own tokenizer from the
-meta.json of its dataset, <data_dir>/<dataset>/ from the checkpoint's config (--data_dir points
-elsewhere): characters (meta.json's itos) or GPT-2 BPE (offline, through dataprep). Sampling is
-autoregressive: the context is cropped to the model's block_size, the model gives the logits of
+Loads <out_dir>/ckpt.pt (or a sharded run's ckpt.dcp) with checkpoint.load_model and reads the
+run's own tokenizer from the meta.json of its dataset, <data_dir>/<dataset>/ from the checkpoint's
+config (--data_dir points elsewhere): characters (meta.json's itos) or GPT-2 BPE (offline, through
+dataprep). Sampling is autoregressive: the context is cropped to the model's block_size, the model gives the logits of
 the last position (with a KV cache it computes the new token only; --no_kv_cache recomputes the
 whole context), they are divided by --temperature and cut to the --top_k largest (a value at
 least the vocabulary size keeps all; 1 is greedy decoding), and the next token is drawn with a
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import dataprep
-from checkpoint import CheckpointError, load_model
+from checkpoint import CheckpointError, find_checkpoint, load_model
 
 SEPARATOR = "-" * 15
 FILE_PREFIX = "FILE:"
@@ -181,8 +181,9 @@ def sample(model, meta, start=None, num_samples=1, max_new_tokens=500, temperatu
 
 
 def load(out_dir, device="cpu", data_dir=None):
-    """(model in eval mode, the run's meta.json) for the checkpoint <out_dir>/ckpt.pt."""
-    model, ckpt = load_model(os.path.join(out_dir, "ckpt.pt"), device)
+    """(model in eval mode, the run's meta.json) for the checkpoint <out_dir>/ckpt.pt, or the
+    sharded <out_dir>/ckpt.dcp of a --parallel=fsdp run."""
+    model, ckpt = load_model(find_checkpoint(out_dir), device)
     return model, read_meta(ckpt, data_dir)
 
 

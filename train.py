@@ -2,6 +2,7 @@
 
 One GPU or CPU:  python train.py configs/owt.py configs/S.py configs/mhclite.py
 8 GPUs (DDP):    torchrun --standalone --nproc_per_node=8 train.py configs/owt.py configs/M.py configs/mhc.py
+8 GPUs, sharded: the same with --parallel=fsdp --compile_mode=blocks (FSDP2; checkpoint ckpt.dcp)
 Resume:          the same command plus --init_from=resume (continues the exact trajectory)
 Start or resume: --init_from=auto resumes out_dir's checkpoint if there is one, else starts from scratch,
                  and exits at once if the run already finished: one command for the first start and every
@@ -31,11 +32,11 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from checkpoint import (DONE_FILE, CheckpointError, SaveError, check_same_model, check_same_run, finished_step,
-                        has_checkpoint, load_checkpoint, low_space_warning, remove_stale_temp_files, save_checkpoint,
-                        save_failure_line)
+                        has_checkpoint, load_checkpoint, load_sharded, load_sharded_run, low_space_warning,
+                        remove_stale_temp_files, save_checkpoint, save_failure_line, save_sharded, sharded_path)
 from config import ConfigError, TrainConfig, load_config
 from model import GPT, GPTConfig, compile_model, connection_path_line, model_shape
-from parallelize import apply_ac
+from parallelize import apply_ac, apply_fsdp
 
 GPT2_PADDED_VOCAB = 50304  # GPT-2's 50257 tokens padded to a multiple of 64
 PREPARE_COMMANDS = {
@@ -64,12 +65,13 @@ class NonFiniteError(Exception):
 
 @dataclass(frozen=True)
 class World:
-    """This process's place in the run: under DDP or not, its rank, the number of processes and
-    its device."""
+    """This process's place in the run: under torchrun (ddp) or not, its rank, the number of
+    processes, its device, and whether the model is sharded (FSDP2) instead of replicated (DDP)."""
     ddp: bool
     rank: int
     size: int
     device: torch.device
+    sharded: bool = False
 
     @property
     def master(self):
@@ -79,6 +81,9 @@ class World:
 def setup_distributed(cfg):
     """The World from torchrun's environment variables (one process without them)."""
     ddp = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if cfg.parallel == "fsdp" and not ddp:
+        raise ConfigError("--parallel=fsdp runs under torchrun, e.g. torchrun --standalone --nproc_per_node=1 "
+                          "train.py ...")
     rank = int(os.environ["RANK"]) if ddp else 0
     world_size = int(os.environ["WORLD_SIZE"]) if ddp else 1
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -94,7 +99,7 @@ def setup_distributed(cfg):
         torch.cuda.set_device(device)
     if ddp:
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-    return World(ddp, rank, world_size, device)
+    return World(ddp, rank, world_size, device, sharded=cfg.parallel == "fsdp")
 
 
 @contextlib.contextmanager
@@ -241,8 +246,7 @@ def train_step(train_model, state, path, offsets, lr, ctx, cfg, world):
     x, y = get_batch(path, offsets[0], cfg.block_size, world.device)
     for micro in range(accum):
         last_micro = micro == accum - 1
-        # DDP averages gradients over the ranks only on the last micro-step
-        with train_model.no_sync() if world.ddp and not last_micro else contextlib.nullcontext():
+        with gradient_sync(train_model, world, last_micro):
             with ctx:
                 _, loss = train_model(x, y)
             if not last_micro:  # fetch the next micro-batch while the device works
@@ -251,11 +255,22 @@ def train_step(train_model, state, path, offsets, lr, ctx, cfg, world):
         loss_sum += loss.detach().float()
     grad_norm = torch.nn.utils.clip_grad_norm_(state.model.parameters(),
                                                cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+    if world.sharded:  # the norm over every rank's shard, as a DTensor
+        grad_norm = grad_norm.full_tensor()
     state.optimizer.step()
     state.optimizer.zero_grad(set_to_none=True)
     if world.ddp:
         dist.all_reduce(loss_sum)
     return loss_sum / cfg.gradient_accumulation_steps, grad_norm
+
+
+def gradient_sync(train_model, world, last_micro):
+    """The context of one micro-step's forward and backward: DDP averages the gradients over the
+    ranks, and FSDP reduce-scatters them into each rank's shard, on the last micro-step only."""
+    if world.sharded:
+        train_model.set_requires_gradient_sync(last_micro)
+        return contextlib.nullcontext()
+    return train_model.no_sync() if world.ddp and not last_micro else contextlib.nullcontext()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -264,16 +279,20 @@ def train_step(train_model, state, path, offsets, lr, ctx, cfg, world):
 
 @torch.no_grad()
 def evaluate(model, eval_sets, ctx, cfg, world):
-    """Mean loss over each split's fixed eval batches; the ranks share the batches out."""
+    """Mean loss over each split's fixed eval batches; the ranks share the batches out. A sharded
+    model gathers its weights with every rank at each forward, so there every rank runs the same
+    number of forwards, a rank without a batch left repeating one and not counting it."""
     model.eval()
     losses = {}
+    end = math.ceil(cfg.eval_iters / world.size) * world.size if world.sharded else cfg.eval_iters
     for split, (path, offsets) in eval_sets.items():
         total = torch.zeros(2, dtype=torch.float64, device=world.device)  # loss sum, batch count
-        for i in range(world.rank, cfg.eval_iters, world.size):
-            x, y = get_batch(path, offsets[i], cfg.block_size, world.device)
+        for i in range(world.rank, end, world.size):
+            x, y = get_batch(path, offsets[i % cfg.eval_iters], cfg.block_size, world.device)
             with ctx:
                 _, loss = model(x, y)
-            total += torch.stack([loss.double(), torch.ones((), dtype=torch.float64, device=world.device)])
+            if i < cfg.eval_iters:
+                total += torch.stack([loss.double(), torch.ones((), dtype=torch.float64, device=world.device)])
         if world.ddp:
             dist.all_reduce(total)
         losses[split] = (total[0] / total[1]).item()
@@ -297,20 +316,24 @@ def evaluate_and_save(model, eval_sets, state, ctx, cfg, world, metrics, ckpt_pa
 
 
 def save_run(path, state, cfg, world):
-    """Every rank calls it, as each rank's RNG states go into the checkpoint; rank 0 writes it."""
+    """Every rank calls it, as each rank's RNG states go into the checkpoint; rank 0 writes it, or
+    for a sharded model every rank writes its shards (checkpoint.save_sharded)."""
     rng = [rng_state(world.device)]
     if world.ddp:
         rng = [None] * world.size
         dist.all_gather_object(rng, rng_state(world.device))
+    run_state = dict(model_args=asdict(state.model.config), config=asdict(cfg), step=state.step,
+                     best_val_loss=state.best_val_loss, rng=rng,
+                     data_state=dict(train_generator=state.train_generator.get_state()))
     error = None
-    if world.master:
-        try:
-            save_checkpoint(path, dict(
-                model=state.model.state_dict(), model_args=asdict(state.model.config), config=asdict(cfg),
-                optimizer=state.optimizer.state_dict(), step=state.step, best_val_loss=state.best_val_loss,
-                rng=rng, data_state=dict(train_generator=state.train_generator.get_state())))
-        except Exception as e:  # torch's writer raises RuntimeError as well as OSError
-            error = e
+    try:
+        if world.sharded:
+            save_sharded(path, state.model, state.optimizer, run_state)
+        elif world.master:
+            save_checkpoint(path, dict(model=state.model.state_dict(), optimizer=state.optimizer.state_dict(),
+                                       **run_state))
+    except Exception as e:  # torch's writer raises RuntimeError as well as OSError
+        error = e
     raise_if_save_failed(error, path, state, world)
     state.saved_step = state.step
     if world.master:
@@ -338,9 +361,16 @@ def warn_if_low_space(path):
         log(warning)
 
 
-def restore_run(state, ckpt, world):
-    """Continue from a checkpoint whose weights the model already holds."""
-    state.optimizer.load_state_dict(ckpt["optimizer"])
+def restore_run(state, ckpt, world, path):
+    """Continue from a checkpoint whose weights the model already holds, or for a sharded model
+    from the sharded checkpoint `path`, read into its shards with the optimizer state."""
+    if world.sharded:
+        load_sharded(path, state.model, state.optimizer)
+    elif "optimizer" not in ckpt:
+        raise CheckpointError(f"{path} holds weights only (written from a sharded checkpoint); continue the run "
+                              f"from its ckpt.dcp with --parallel=fsdp")
+    else:
+        state.optimizer.load_state_dict(ckpt["optimizer"])
     state.train_generator.set_state(ckpt["data_state"]["train_generator"])
     set_rng_state(ckpt["rng"][world.rank % len(ckpt["rng"])], world.device)  # the world size may change
     state.step, state.best_val_loss = ckpt["step"], ckpt["best_val_loss"]
@@ -558,11 +588,13 @@ def auto_start_mode(cfg, ckpt_path):
 def resume_checkpoint(cfg, mode, ckpt_path, master):
     """The checkpoint to continue (None for a fresh start), checked against this run."""
     if mode == "scratch":
-        if os.path.exists(ckpt_path):
-            raise ConfigError(f"{ckpt_path} exists; continue it with --init_from=resume (or auto) "
-                              f"or pick another --out_dir")
+        for path, parallel in ((os.path.join(cfg.out_dir, "ckpt.pt"), "ddp"), (sharded_path(cfg.out_dir), "fsdp")):
+            if os.path.lexists(path):
+                how = "" if parallel == cfg.parallel else f" and --parallel={parallel}"
+                raise ConfigError(f"{path} exists; continue it with --init_from=resume (or auto){how} "
+                                  f"or pick another --out_dir")
         return None
-    ckpt = load_checkpoint(ckpt_path)
+    ckpt = load_sharded_run(ckpt_path) if cfg.parallel == "fsdp" else load_checkpoint(ckpt_path)
     check_same_run(ckpt, asdict(cfg), ckpt_path)
     saved = ckpt["config"]
     if master and saved["lr_decay_iters"] != cfg.lr_decay_iters:
@@ -575,21 +607,26 @@ def resume_checkpoint(cfg, mode, ckpt_path, master):
 
 def build_model(cfg, vocab_size, ckpt, ckpt_path, world):
     """The GPT on its device: initialised from the seed (rank 0's weights are the ones DDP
-    broadcasts), or with the checkpoint's weights."""
+    broadcasts; FSDP broadcasts nothing, so there every rank builds rank 0's weights and keeps its
+    shard of them), or with the checkpoint's weights (a sharded checkpoint's come in restore_run)."""
     random.seed(cfg.seed + world.rank)
     np.random.seed(cfg.seed + world.rank)
     torch.manual_seed(cfg.seed + world.rank)
     try:
-        model = GPT(build_model_config(cfg, vocab_size))
+        with torch.random.fork_rng(devices=[], enabled=world.sharded):
+            if world.sharded:
+                torch.manual_seed(cfg.seed)
+            model = GPT(build_model_config(cfg, vocab_size))
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if ckpt is not None:
         check_same_model(ckpt, asdict(model.config), ckpt_path)
-        model.load_state_dict(ckpt["model"])
+        if not world.sharded:
+            model.load_state_dict(ckpt["model"])
     return model.to(world.device)
 
 
-def start_out_dir(cfg, model, step, tokens_per_step, dtype, world):
+def start_out_dir(cfg, model, step, tokens_per_step, dtype, world, ckpt_path):
     """Rank 0: config.json, no stale `done` marker or checkpoint temp files, the run's header lines."""
     connections = model.connection_path(world.device)  # fused kernels or residuals.py, and why
     os.makedirs(cfg.out_dir, exist_ok=True)
@@ -598,8 +635,7 @@ def start_out_dir(cfg, model, step, tokens_per_step, dtype, world):
     done_path = os.path.join(cfg.out_dir, DONE_FILE)
     if os.path.exists(done_path) and step < cfg.max_iters:
         os.remove(done_path)
-    ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
-    removed, freed = remove_stale_temp_files(ckpt_path)
+    removed, freed = remove_stale_temp_files(os.path.join(cfg.out_dir, "ckpt.pt"))
     if removed:
         log(f"removed {removed} stale checkpoint temp file(s) in {cfg.out_dir} ({freed / 1e6:.1f} MB), "
             f"left by a save that was killed")
@@ -647,11 +683,14 @@ def train(cfg, world):
     if cfg.gradient_accumulation_steps % world.size:
         raise ConfigError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} is not divisible "
                           f"by the world size {world.size}")
+    compiled = cfg.compile == "true" or (cfg.compile == "auto" and world.device.type == "cuda")
+    if world.sharded and compiled and cfg.compile_mode == "model":
+        raise ConfigError("--parallel=fsdp compiles block by block: add --compile_mode=blocks (or --compile=False)")
     tokens_per_step = cfg.batch_size * cfg.block_size * cfg.gradient_accumulation_steps
     paths, vocab_size = check_data(cfg)
     wandb = import_wandb() if cfg.wandb_log and world.master else None  # fail before any work
     dtype, ctx = autocast_context(cfg, world.device)
-    ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
+    ckpt_path = sharded_path(cfg.out_dir) if world.sharded else os.path.join(cfg.out_dir, "ckpt.pt")
     mode = start_mode(cfg, ckpt_path, world)
     if mode == "finished":
         if world.master:
@@ -663,21 +702,23 @@ def train(cfg, world):
     raw_model = build_model(cfg, vocab_size, ckpt, ckpt_path, world)
     if cfg.activation_checkpointing:
         apply_ac(raw_model)
+    model = compile_model(raw_model, cfg.compile_mode) if compiled else raw_model
+    if world.sharded:  # in place: raw_model's parameters become this rank's shards
+        apply_fsdp(raw_model, torch.bfloat16 if dtype == "bfloat16" else torch.float32)
     optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
                                                world.device.type)
     state = TrainState(raw_model, optimizer, make_generator(cfg.seed, TRAIN_STREAM))
     if ckpt is not None:
-        restore_run(state, ckpt, world)
+        restore_run(state, ckpt, world, ckpt_path)
     del ckpt
     eval_sets = eval_batches(cfg, paths)
-    compiled = cfg.compile == "true" or (cfg.compile == "auto" and world.device.type == "cuda")
-    model = compile_model(raw_model, cfg.compile_mode) if compiled else raw_model
     device_ids = [world.device.index] if world.device.type == "cuda" else None
-    train_model = DDP(model, device_ids=device_ids) if world.ddp else model  # evaluation runs without DDP
+    ddp = world.ddp and not world.sharded
+    train_model = DDP(model, device_ids=device_ids) if ddp else model  # evaluation runs without DDP
     peak = peak_flops(cfg, world.device, dtype)
     peak = peak * world.size if peak else None
     if world.master:
-        start_out_dir(cfg, raw_model, state.step, tokens_per_step, dtype, world)
+        start_out_dir(cfg, raw_model, state.step, tokens_per_step, dtype, world, ckpt_path)
     metrics = MetricsWriter(os.path.join(cfg.out_dir, "metrics.jsonl"), world.master,
                             state.step if resuming else None,
                             start_wandb(wandb, cfg) if wandb is not None else None)

@@ -143,7 +143,8 @@ def collect(ckpt_path, out_path, num_seqs=64, seq_len=1024, batch_size=8, max_to
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", required=True, help="checkpoint written by train.py (ckpt.pt)")
+    p.add_argument("--ckpt", required=True,
+                   help="checkpoint written by train.py (ckpt.pt, or a sharded run's ckpt.dcp folder)")
     p.add_argument("--out", required=True, help="output .npz path")
     p.add_argument("--num_seqs", type=int, default=64)
     p.add_argument("--seq_len", type=int, default=1024)

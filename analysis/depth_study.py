@@ -27,7 +27,7 @@ from analysis.colsum_box import composite
 from analysis.common import (VARIANT_COLORS, VARIANT_NAMES, VARIANTS, AnalysisError, find_runs, format_mean_std,
                              load_collected, machine_line, seed_summary)
 from analysis.nu_hist import log_inv_nu
-from checkpoint import CheckpointError, load_model
+from checkpoint import CheckpointError, find_checkpoint, load_model
 from dataprep import unigram_entropy
 
 DEVIATIONS = ("matrix_col_dev", "matrix_row_dev", "product_col_dev", "product_col_dev_median", "product_row_dev")
@@ -108,8 +108,8 @@ def measure_run(run, work_dir, num_seqs, seq_len, spike_factor, spike_window):
                grad_norm_median=float(np.median(after)) if len(after) else math.nan,
                wall_s=float(open(wall_path).read()) if os.path.isfile(wall_path) else math.nan,
                grad_norm_curve=[[int(s), float(g)] for s, g in zip(run.train["step"], grad_norm)])
-    ckpt = os.path.join(run.path, "ckpt.pt")
-    if variant == "res" or not os.path.isfile(ckpt):
+    ckpt = find_checkpoint(run.path)
+    if variant == "res" or not os.path.exists(ckpt):
         return {**row, **{m: math.nan for m in DEVIATIONS + ("log_inv_nu_median", "log_inv_nu_max")}}
     model, _ = load_model(ckpt)
     npz = os.path.join(work_dir, f"{len(os.listdir(work_dir))}.npz")

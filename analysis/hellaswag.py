@@ -27,7 +27,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 import dataprep
 import sample
-from checkpoint import CheckpointError, load_model
+from checkpoint import CheckpointError, find_checkpoint, load_model
 
 DEFAULT_SOURCE = "Rowan/hellaswag"
 SPLIT = "validation"
@@ -275,7 +275,7 @@ def main(argv=None):
         if not os.path.isdir(args.out_dir):
             raise HellaSwagError(f"no run directory {args.out_dir}")
         device = sample.resolve_device(args.device)
-        model, ckpt = load_model(os.path.join(args.out_dir, "ckpt.pt"), device)
+        model, ckpt = load_model(find_checkpoint(args.out_dir), device)
         meta = sample.read_meta(ckpt, args.data_dir)
         items = read_items(args.data, args.limit)
         results = score(model, meta, items, args.batch_size, run_autocast_dtype(ckpt, device))

@@ -25,7 +25,7 @@ from analysis.collect import collect
 from analysis.colsum_box import sum_stats
 from analysis.common import (VARIANT_COLORS, VARIANT_NAMES, AnalysisError, after_warmup, find_runs,
                              format_mean_std, machine_line, seed_summary)
-from checkpoint import CheckpointError, load_model
+from checkpoint import CheckpointError, find_checkpoint, load_model
 
 STUDY_VARIANTS = ("res", "mhc", "mhclite")
 METRICS = ("val_loss", "step_ms", "matrix_col_dev", "matrix_row_dev", "product_col_dev", "product_row_dev")
@@ -66,7 +66,7 @@ def measure_run(run, work_dir, num_seqs, seq_len, skip):
     val_loss = run.evals["val_loss"]
     if len(val_loss) == 0:
         raise AnalysisError(f"run '{run.path}' has no evaluation in its metrics.jsonl")
-    ckpt = os.path.join(run.path, "ckpt.pt")
+    ckpt = find_checkpoint(run.path)
     model, _ = load_model(ckpt)
     row = dict(run=run.path, config=configuration(run), seed=run.seed, step=int(run.train["step"][-1]),
                val_loss=float(val_loss[-1]), step_ms=float(np.median(after_warmup(run, "step_ms", skip))),

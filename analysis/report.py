@@ -18,7 +18,7 @@ from analysis import colsum_box, grad_norm, hellaswag, loss_table, nu_hist, thro
 from analysis.collect import collect
 import sample
 from analysis.common import HC_FAMILY, VARIANT_NAMES, VARIANTS, AnalysisError, find_runs, group_label, group_runs
-from checkpoint import CheckpointError
+from checkpoint import CheckpointError, find_checkpoint, has_checkpoint
 
 SAMPLE_TEMPERATURE, SAMPLE_TOP_K = 0.8, 200
 
@@ -43,8 +43,8 @@ def sample_section(runs, args):
     for group, by_variant in group_runs(runs).items():
         for run in [r for variant in VARIANTS for r in by_variant.get(variant, [])]:
             title = f"**{VARIANT_NAMES[run.residual]}**, {group_label(group)} ({run.name})"
-            if not os.path.isfile(os.path.join(run.path, "ckpt.pt")):
-                md.append(f"{title}: no ckpt.pt, no sample.\n")
+            if not has_checkpoint(find_checkpoint(run.path)):
+                md.append(f"{title}: no checkpoint, no sample.\n")
                 continue
             try:
                 model, meta = sample.load(run.path, args.device, args.data_dir)
@@ -64,9 +64,9 @@ def collect_runs(runs, out_dir, args):
     for run in runs:
         if run.residual not in HC_FAMILY:
             continue
-        ckpt = os.path.join(run.path, "ckpt.pt")
-        if not os.path.isfile(ckpt):
-            notes.append(f"{run.name}: no ckpt.pt, nothing collected")
+        ckpt = find_checkpoint(run.path)  # ckpt.pt, or a sharded run's ckpt.dcp
+        if not os.path.exists(ckpt):
+            notes.append(f"{run.name}: no checkpoint, nothing collected")
             continue
         seq_len = args.seq_len or min(run.config["block_size"], 1024)
         out_path = os.path.join(out_dir, "collect", f"{run.name}.npz")

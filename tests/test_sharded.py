@@ -1,0 +1,338 @@
+"""The sharded mode (train.py --parallel=fsdp, parallelize.py) and its checkpoints (checkpoint.py)
+on CPU with gloo: two sharded processes train as one process does, a sharded run cut by SIGTERM
+resumes on two or one processes on its trajectory, its checkpoint serves sample.py, the export
+and the collector, mhclite stays exact under the bf16 policy, and bad input, damaged or unsafe
+checkpoints and failed saves are handled."""
+import contextlib
+import os
+import pickle
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import checkpoint
+import export_hf
+import sample
+import train
+from analysis.collect import collect
+from checkpoint import CheckpointError, load_model, save_sharded
+from config import REPO_DIR
+from conftest import assert_one_error_line, one_error_line, randomise
+from model import GPT, GPTConfig
+from parallelize import apply_fsdp
+from residuals import capture_connections
+from test_hf_export import load_export
+from test_train import read_metrics, tiny_args
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# 10 steps of 4 micro-batches, every gradient clipped (its norm stays above 0.3), evals at 0, 5 and
+# 10 over 3 batches (one rank of two gets a padding batch).
+SHARED = dict(n_layer=1, n_embd=32, batch_size=2, gradient_accumulation_steps=4, max_iters=10, lr_decay_iters=10,
+              warmup_iters=2, eval_interval=5, eval_iters=3, log_interval=1, grad_clip=0.3)
+RESIDUALS = ("res", "hc", "mhclite")
+# float32 rounding: the ranks sum their halves of each gradient in another order than one process
+# does (measured ~1e-7 relative), and AdamW's 10 steps carry it on; a gradient summed instead of
+# averaged, an unsynchronised micro-step or a clip over one shard moves the loss by 1e-2 or more.
+RELATIVE = 1e-5
+
+
+def torchrun(n, data_dir, out, popen=False, **overrides):
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+            os.path.join(REPO_DIR, "train.py"), *tiny_args(data_dir, out, parallel="fsdp", **{**SHARED, **overrides})]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if popen:
+        return subprocess.Popen(args, cwd=REPO_DIR, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.run(args, cwd=REPO_DIR, env=env, capture_output=True, text=True, timeout=300)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def one_process_world():
+    """The environment torchrun gives a 1-process job, so that train.main runs in this process."""
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                               MASTER_PORT=str(free_port())).items():
+            mp.setenv(key, value)
+        yield
+
+
+@pytest.fixture
+def process_group():
+    """A 1-process gloo group in this process (fully_shard and DCP need one)."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def runs(data_dir, tmp_path_factory):
+    """{residual: (one-process run, two-process sharded run)}; the sharded runs train side by side."""
+    root = tmp_path_factory.mktemp("sharded")
+    procs = {r: torchrun(2, data_dir, root / f"{r}-two", popen=True, residual=r) for r in RESIDUALS}
+    for residual in RESIDUALS:
+        train.main(tiny_args(data_dir, root / f"{residual}-one", residual=residual, **SHARED))
+    for residual, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stdout[-2000:] + stderr[-2000:]
+        assert "2 x cpu" in stdout
+    return {r: (root / f"{r}-one", root / f"{r}-two") for r in RESIDUALS}
+
+
+def assert_same_trajectory(expected, actual, steps=None):
+    """Equal per-step train loss, gradient norm and eval losses (the eval records by step)."""
+    (train_a, eval_a), (train_b, eval_b) = read_metrics(expected), read_metrics(actual)
+    assert [r["step"] for r in train_b] == list(range(1, SHARED["max_iters"] + 1))
+    evals_b = {r["step"]: r for r in eval_b}
+    for a, b in zip(train_a, train_b, strict=True):
+        assert a["step"] == b["step"] and a["lr"] == b["lr"]
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=RELATIVE)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=RELATIVE)
+    for a in eval_a:
+        for key in ("val_loss", "eval_train_loss"):
+            assert evals_b[a["step"]][key] == pytest.approx(a[key], rel=RELATIVE)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("residual", RESIDUALS)
+def test_two_sharded_processes_train_as_one_process(runs, residual):
+    one, two = runs[residual]
+    assert_same_trajectory(one, two)
+    train_records, _ = read_metrics(two)
+    assert all(r["grad_norm"] > SHARED["grad_clip"] for r in train_records)  # every step clipped
+    assert train_records[-1]["train_loss"] < train_records[0]["train_loss"]
+    assert os.path.islink(two / "ckpt.dcp") and not (two / "ckpt.pt").exists()
+    assert sorted(p.name for p in two.glob("ckpt.dcp.*")) == ["ckpt.dcp.10"]  # replaced ones removed
+
+
+@pytest.mark.slow
+def test_a_sharded_run_cut_by_sigterm_resumes_on_two_or_one_processes(runs, data_dir, tmp_path):
+    out = tmp_path / "cut"
+    proc = torchrun(2, data_dir, out, popen=True, residual="mhclite", max_iters=100000)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            if (out / "metrics.jsonl").exists() and len(read_metrics(out)[0]) >= 3:
+                break
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.stderr.read()
+        proc.send_signal(signal.SIGTERM)  # torchrun passes it to both workers
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # (torchrun itself reports the signal with a traceback; the workers stop cleanly)
+    assert "stopped by signal" in stdout and "[rank0]: Traceback" not in stderr, stderr[-2000:]
+    stop_step = checkpoint.load_sharded_run(str(out / "ckpt.dcp"))["step"]
+    assert 3 <= stop_step < SHARED["max_iters"] and read_metrics(out)[0][-1]["step"] == stop_step
+    shutil.copytree(out, tmp_path / "cut-copy", symlinks=True)
+
+    resumed = torchrun(2, data_dir, out, residual="mhclite", init_from="resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert_same_trajectory(runs["mhclite"][1], out)
+    with one_process_world():  # the same checkpoint continued by one process
+        train.main(tiny_args(data_dir, tmp_path / "cut-copy", residual="mhclite", parallel="fsdp",
+                             init_from="resume", **SHARED))
+    assert_same_trajectory(runs["mhclite"][1], tmp_path / "cut-copy")
+
+
+@pytest.mark.slow
+def test_sample_export_and_collector_read_a_sharded_checkpoint(runs, data_dir, tmp_path, capsys):
+    sharded_run = runs["mhclite"][1]
+    single = tmp_path / "single"
+    single.mkdir()
+    checkpoint.main([str(sharded_run / "ckpt.dcp"), str(single / "ckpt.pt")])  # the documented conversion
+    from_folder, meta = sample.load(str(sharded_run))
+    from_file, _ = load_model(str(single / "ckpt.pt"))
+    for key, value in from_file.state_dict().items():
+        assert torch.equal(from_folder.state_dict()[key], value), key
+    line = one_error_line(train.main, tiny_args(data_dir, single, residual="mhclite", init_from="resume", **SHARED),
+                          capsys)
+    assert "weights only" in line and "--parallel=fsdp" in line  # the written file is for reading, not resuming
+    # the weights are the one-process run's, to the trajectory's rounding
+    one_process, _ = load_model(str(runs["mhclite"][0] / "ckpt.pt"))
+    for key, value in one_process.state_dict().items():
+        assert torch.allclose(from_folder.state_dict()[key], value, atol=1e-3), key
+
+    texts = []
+    for run_dir in (sharded_run, single):
+        sample.main(["--out_dir", str(run_dir), "--start=the", "--top_k=1", "--max_new_tokens=40", "--num_samples=1"])
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and len(texts[0]) > 40
+
+    exported, _ = load_export(export_hf.export(str(sharded_run), str(tmp_path / "export")))
+    tokens = torch.randint(0, from_folder.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, _ = from_folder(tokens, torch.zeros_like(tokens))
+        assert (exported(tokens).logits - expected).abs().max() <= 1e-5
+
+    collect(str(sharded_run / "ckpt.dcp"), str(tmp_path / "h.npz"), num_seqs=2, seq_len=16, batch_size=2)
+    h_res = np.load(tmp_path / "h.npz")["h_res"]
+    assert h_res.shape[0] == 2 and np.abs(h_res.sum(-1) - 1).max() < 1e-6 and np.abs(h_res.sum(-2) - 1).max() < 1e-6
+
+
+def test_mhclite_stays_exact_and_equal_to_autocast_under_the_bf16_policy(process_group):
+    config = GPTConfig(block_size=16, vocab_size=40, n_layer=2, n_head=2, n_embd=32, residual="mhclite")
+    torch.manual_seed(0)
+    plain = randomise(GPT(config), 0.1)
+    tokens = torch.randint(0, 40, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    def loss_and_grads(model):
+        with torch.autocast("cpu", dtype=torch.bfloat16), capture_connections(model) as records:
+            _, loss = model(tokens, tokens)
+        loss.backward()
+        grads = {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).reshape(-1)
+                 for name, p in model.named_parameters()}
+        return loss.detach(), grads, records
+
+    expected, expected_grads, _ = loss_and_grads(plain)
+    sharded = GPT(config)
+    sharded.load_state_dict(plain.state_dict())
+    loss, grads, records = loss_and_grads(apply_fsdp(sharded, torch.bfloat16))
+    for record in records:
+        assert (record["h_res"].sum(-1) - 1).abs().max() < 1e-6 and (record["h_res"].sum(-2) - 1).abs().max() < 1e-6
+    # only the GEMM weights are gathered in bf16, which autocast casts them to anyway: the same numbers
+    assert torch.equal(loss, expected)
+    assert all(torch.equal(grads[name], expected_grads[name].reshape(-1)) for name in grads)
+
+    # negative control: the connections gathered in bf16 too compute other numbers than autocast
+    naive = GPT(config)
+    naive.load_state_dict(plain.state_dict())
+    assert not torch.equal(loss_and_grads(shard_with_bf16_connections(naive))[0], expected)
+
+
+def shard_with_bf16_connections(model):
+    from parallelize import as_vectors
+    as_vectors(model)
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, cast_forward_inputs=False)
+    for block in model.transformer.h:
+        for module in (block.attn, block.mlp, block.attn_connection, block.mlp_connection):
+            fully_shard(module, mp_policy=bf16)
+        fully_shard(block)
+    return fully_shard(model)
+
+
+def test_fused_connections_shard_with_their_block(process_group, monkeypatch):
+    import fused
+    if not fused.TRITON_AVAILABLE or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the fused kernels run on CPU in Triton's interpreter only")
+    monkeypatch.setattr(fused, "INTERPRET_ON_CPU", True)
+    config = GPTConfig(block_size=8, vocab_size=40, n_layer=1, n_head=2, n_embd=32, residual="mhclite",
+                       fused_connections=True)
+    torch.manual_seed(0)
+    plain = randomise(GPT(config), 0.1)
+    sharded = GPT(config)
+    sharded.load_state_dict(plain.state_dict())
+    apply_fsdp(sharded)
+    assert sharded.connection_path(torch.device("cpu"))["path"] == "fused"
+    tokens = torch.randint(0, 40, (2, 8), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for model in (plain, sharded):
+        _, loss = model(tokens, tokens)
+        loss.backward()
+        losses.append(loss.detach())
+    assert torch.equal(losses[0], losses[1])
+    for (name, p), q in zip(plain.named_parameters(), sharded.parameters()):
+        assert torch.equal(p.grad.reshape(-1), q.grad.full_tensor().reshape(-1)), name
+
+
+def test_a_failed_or_killed_save_keeps_the_previous_checkpoint(process_group, tmp_path, monkeypatch):
+    config = GPTConfig(block_size=16, vocab_size=40, n_layer=1, n_head=2, n_embd=32, residual="hc")
+    model = apply_fsdp(randomise(GPT(config), 0.1))
+    optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu")
+    link = str(tmp_path / "ckpt.dcp")
+
+    def run_state(step):
+        return dict(model_args=vars(config), config=dict(residual="hc"), step=step)
+
+    save_sharded(link, model, optimizer, run_state(1))
+    saved = {k: v.clone() for k, v in load_model(link)[0].state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+
+    def disk_full(*args):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(checkpoint, "save_checkpoint", disk_full)  # fails after every shard is written
+        with pytest.raises(OSError):
+            save_sharded(link, model, optimizer, run_state(2))
+    with monkeypatch.context() as mp:
+        mp.setattr(checkpoint.dcp.FileSystemWriter, "write_data", disk_full)  # fails while writing shards
+        with pytest.raises(OSError, match="No space left"):
+            save_sharded(link, model, optimizer, run_state(3))
+    # a save killed mid-way leaves a folder of shards and no index
+    (tmp_path / "ckpt.dcp.4").mkdir()
+    (tmp_path / "ckpt.dcp.4" / "__0_0.distcp").write_bytes(b"\0" * 100)
+    assert not checkpoint.has_checkpoint(str(tmp_path / "ckpt.dcp.4"))  # no index: not a checkpoint
+
+    assert os.readlink(link) == "ckpt.dcp.1" and not (tmp_path / "ckpt.dcp.2").exists()
+    reloaded, ckpt = load_model(link)
+    assert ckpt["step"] == 1 and all(torch.equal(saved[k], v) for k, v in reloaded.state_dict().items())
+    save_sharded(link, model, optimizer, run_state(5))
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.dcp", "ckpt.dcp.5"]
+    assert checkpoint.has_checkpoint(str(link)) and checkpoint.find_checkpoint(str(tmp_path)) == str(link)
+
+
+def test_a_pickle_planted_in_the_metadata_does_not_run(runs, tmp_path):
+    folder = tmp_path / "ckpt.dcp"
+    shutil.copytree(runs["res"][1] / "ckpt.dcp", folder)
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    planted = pickle.dumps(Payload())
+    pickle.loads(planted)  # the payload is live: plain unpickling runs it
+    assert marker.exists()
+    marker.unlink()
+    (folder / ".metadata").write_bytes(planted)
+    with pytest.raises(CheckpointError, match="corrupt"):
+        load_model(str(folder))
+    assert not marker.exists()
+
+
+def test_missing_or_damaged_sharded_checkpoints_are_one_line(runs, data_dir, tmp_path, capsys):
+    with one_process_world(), pytest.raises(SystemExit) as exit_info:
+        train.main(tiny_args(data_dir, tmp_path / "empty", residual="res", parallel="fsdp", init_from="resume",
+                             **SHARED))
+    assert exit_info.value.code == 2
+    assert_one_error_line(capsys.readouterr().err, "checkpoint not found", "ckpt.dcp")
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(runs["res"][1], damaged, symlinks=True)
+    for shard in (damaged / "ckpt.dcp").glob("*.distcp"):
+        shard.write_bytes(shard.read_bytes()[:100])
+    line = one_error_line(sample.main, ["--out_dir", str(damaged)], capsys)
+    assert "truncated, corrupt" in line
+    (damaged / "ckpt.dcp" / ".metadata").unlink()
+    assert "no .metadata" in one_error_line(sample.main, ["--out_dir", str(damaged)], capsys)
+    line = one_error_line(checkpoint.main, [str(damaged / "ckpt.dcp"), str(tmp_path / "ckpt.pt")], capsys)
+    assert "no .metadata" in line
+
+
+def test_settings_the_sharded_mode_cannot_serve_are_one_line(data_dir, tmp_path, capsys):
+    line = one_error_line(train.main, tiny_args(data_dir, tmp_path / "a", parallel="fsdp"), capsys)
+    assert "torchrun" in line
+    with one_process_world():
+        line = one_error_line(train.main, tiny_args(data_dir, tmp_path / "b", parallel="fsdp", compile=True,
+                                                    compile_mode="model"), capsys)
+    assert "--compile_mode=blocks" in line and not (tmp_path / "b").exists()
+    line = one_error_line(train.main, tiny_args(data_dir, tmp_path / "c", parallel="zero"), capsys)
+    assert "parallel" in line
