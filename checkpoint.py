@@ -321,8 +321,8 @@ def save_sharded(path, model, optimizer, run_state):
         try:
             dcp.save(dict(model=model_state, optimizer=optimizer_state),
                      storage_writer=dcp.FileSystemWriter(folder, sync_files=True))
-        except CheckpointException as e:  # a BaseException: made an ordinary one here
-            raise OSError(f"sharded save to {folder} failed ({first_failure(e)})") from None
+        except CheckpointException as e:  # a BaseException: raise the first rank's own exception instead
+            raise first_exception(e) from None
         if dist.get_rank() == 0:
             save_checkpoint(os.path.join(folder, RUN_STATE_FILE), run_state)  # also makes the folder's entries durable
             _point_link(out_dir, names[0])
@@ -332,6 +332,15 @@ def save_sharded(path, model, optimizer, run_state):
         if dist.get_rank() == 0 and not linked:
             shutil.rmtree(folder, ignore_errors=True)
         raise
+
+
+def first_exception(e):
+    """The first rank's exception in DCP's CheckpointException (its errno tells a full disk), or
+    an OSError with its line."""
+    failures = [failure[0] for failure in e.failures.values()]
+    if failures and isinstance(failures[0], Exception):
+        return failures[0]
+    return OSError(first_failure(e))
 
 
 def first_failure(e):

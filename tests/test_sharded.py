@@ -4,6 +4,7 @@ resumes on two or one processes on its trajectory, its checkpoint serves sample.
 and the collector, mhclite stays exact under the bf16 policy, and bad input, damaged or unsafe
 checkpoints and failed saves are handled."""
 import contextlib
+import errno
 import os
 import pickle
 import shutil
@@ -141,9 +142,13 @@ def test_a_sharded_run_cut_by_sigterm_resumes_on_two_or_one_processes(runs, data
     assert 3 <= stop_step < SHARED["max_iters"] and read_metrics(out)[0][-1]["step"] == stop_step
     shutil.copytree(out, tmp_path / "cut-copy", symlinks=True)
 
-    resumed = torchrun(2, data_dir, out, residual="mhclite", init_from="resume")
+    resumed = torchrun(2, data_dir, out, residual="mhclite", init_from="auto")  # auto: a checkpoint, so resume
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert_same_trajectory(runs["mhclite"][1], out)
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    with one_process_world():  # auto on a finished run: nothing to do, nothing touched
+        train.main(tiny_args(data_dir, out, residual="mhclite", parallel="fsdp", init_from="auto", **SHARED))
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
     with one_process_world():  # the same checkpoint continued by one process
         train.main(tiny_args(data_dir, tmp_path / "cut-copy", residual="mhclite", parallel="fsdp",
                              init_from="resume", **SHARED))
@@ -287,6 +292,37 @@ def test_a_failed_or_killed_save_keeps_the_previous_checkpoint(process_group, tm
     save_sharded(link, model, optimizer, run_state(5))
     assert sorted(os.listdir(tmp_path)) == ["ckpt.dcp", "ckpt.dcp.5"]
     assert checkpoint.has_checkpoint(str(link)) and checkpoint.find_checkpoint(str(tmp_path)) == str(link)
+
+
+@pytest.mark.slow
+def test_a_failed_sharded_save_exits_3_with_one_line_and_the_run_resumes(runs, data_dir, tmp_path, monkeypatch,
+                                                                        capsys):
+    """The step-0 save goes through, the step-5 save hits a full disk while writing its shards:
+    one line naming the kept checkpoint, exit 3, ckpt.dcp still the step-0 one; auto then resumes
+    from it to the uninterrupted sharded run's trajectory, here with activation checkpointing,
+    which shards and computes the same."""
+    out = tmp_path / "run"
+    real_write, writes = checkpoint.dcp.FileSystemWriter.write_data, []
+
+    def write_data(self, *args, **kwargs):
+        writes.append(self)
+        if len(writes) == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(self, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.dcp.FileSystemWriter, "write_data", write_data)
+    args = tiny_args(data_dir, out, residual="mhclite", parallel="fsdp", init_from="auto", **SHARED)
+    with one_process_world(), pytest.raises(SystemExit) as info:
+        train.main(args)
+    assert info.value.code == 3
+    assert_one_error_line(capsys.readouterr().err, "saving the checkpoint of step 5", "the disk is full (ENOSPC",
+                          f"{out / 'ckpt.dcp'} keeps the checkpoint of step 0")
+    assert checkpoint.load_sharded_run(str(out / "ckpt.dcp"))["step"] == 0
+    assert sorted(p.name for p in out.glob("ckpt.dcp*")) == ["ckpt.dcp", "ckpt.dcp.0"]
+    monkeypatch.undo()
+    with one_process_world():  # with the blocks checkpointed as well: the same arithmetic
+        train.main(args + ["--activation_checkpointing=True"])
+    assert_same_trajectory(runs["mhclite"][1], out)
 
 
 def test_a_pickle_planted_in_the_metadata_does_not_run(runs, tmp_path):
