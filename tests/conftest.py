@@ -2,6 +2,7 @@
 char-level corpus fixture, tiny runs trained on the HellaSwag fixture (analysis/hellaswag.py,
 export_hf.py), and helpers several test files use (`from conftest import ...`)."""
 
+import importlib.util
 import json
 import os
 import random
@@ -20,6 +21,9 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 # also run inductor's Triton kernels).
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+    if importlib.util.find_spec("triton") is not None:
+        from fused.tools.interpreter import fix_scalar_index
+        fix_scalar_index()  # for every test that runs a kernel in the interpreter
 
 WORDS = ("the king and queen of a far land rode to the old castle where one bold knight kept "
          "watch over the river and the hills").split()

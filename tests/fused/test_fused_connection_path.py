@@ -1,23 +1,19 @@
 """Which code runs the connections: fused.unsupported_reason, and the path train.py, bench.py and
-scripts/micro_bench.py report, checked against the path the forward takes (a spy on connection_forward).
+python -m benchmarks.micro report, checked against the path the forward takes (a spy on connection_forward).
 The fused path runs on CPU only in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET)."""
 
 import json
 import os
-import sys
 
 import pytest
 import torch
 
-import bench
 import fused
 import train
+from benchmarks import micro as micro_bench
+from benchmarks import step as bench
 from model import GPT, GPTConfig, connection_path_line
 from residuals import RESIDUALS, Residual
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "scripts"))
-import micro_bench  # noqa: E402
 
 needs_triton = pytest.mark.skipif(not fused.TRITON_AVAILABLE, reason="triton is not installed")
 CPU = torch.device("cpu")

@@ -2,16 +2,13 @@
 sample.generate on a seeded random model of each size and variant (speed does not depend on the
 weights), greedy, one sequence, after one warm-up call.
 
-    OMP_NUM_THREADS=1 python scripts/kv_cache_speed.py --sizes tiny S --new_tokens 200
+    OMP_NUM_THREADS=1 python -m benchmarks.kv_cache --sizes tiny S --new_tokens 200
 """
 import argparse
-import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 import sample
 from model import GPT, GPTConfig, model_shape
 
