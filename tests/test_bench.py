@@ -3,13 +3,16 @@ its pieces and the ones all benchmarks share (benchmarks/common.py) do what thei
 Nothing here is timed."""
 import contextlib
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from benchmarks import common
 from benchmarks import step as bench
-from conftest import one_error_line
+from conftest import assert_one_error_line, one_error_line
 from model import GPT, GPTConfig, compile_model, model_shape
 
 BLOCK, VOCAB, SEED = 16, 96, 3
@@ -145,6 +148,13 @@ def test_bad_input_is_one_error_line(flags, message, tmp_path, capsys):
     assert one_error_line(bench.main, SMALL_FLAGS + flags + ["--json", str(tmp_path / "x.json")],
                           capsys).startswith(message)
     assert not (tmp_path / "x.json").exists()
+
+
+def test_bench_py_is_the_step_benchmarks_command():
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, "bench.py", "--size", "XL"], cwd=repo, capture_output=True, text=True)
+    assert result.returncode == 2
+    assert_one_error_line(result.stderr, "unknown size 'XL'", alone=True)
 
 
 GIB = 2**30
