@@ -48,7 +48,8 @@ VARIANTS = ("res", "hc", "mhc", "mhclite")
 BENCH_RUNS = (("reference", []),
               ("fused", ["--recompute", "off", "--fused_connections", "on"]),
               ("bf16 streams", ["--recompute", "off", "--stream_dtype", "bfloat16"]),
-              ("fused + bf16 streams", ["--recompute", "off", "--fused_connections", "on", "--stream_dtype", "bfloat16"]))
+              ("fused + bf16 streams", ["--recompute", "off", "--fused_connections", "on",
+                                        "--stream_dtype", "bfloat16"]))
 GPT2_TOKENS = 50257
 SPLIT_TOKENS = {"train": 4_000_000, "val": 400_000}
 COLSUM_SEQUENCES = 4  # of the model's block_size, for the row/column-sum check
@@ -236,7 +237,8 @@ def summary(args, parts):
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU dry run"
     lines = [f"## GPU check: {name}, torch {torch.__version__} (--device {args.device} --size {args.size}, "
              f"results and logs in {args.out})", "",
-             "| part | status | minutes | estimate min (one H100 at M, not measured) | result |", "|---|---|---|---|---|"]
+             "| part | status | minutes | estimate min (one H100 at M, not measured) | result |",
+             "|---|---|---|---|---|"]
     for part in PARTS:
         if part in parts:
             status, seconds = parts[part]["status"], fmt(parts[part]["seconds"] / 60, ".1f")
@@ -252,7 +254,8 @@ def summary(args, parts):
 
 
 def parse_args(argv):
-    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="python -m benchmarks.gpu_check", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("parts", nargs="*", metavar="PART", help=f"some of {', '.join(PARTS)} (default: all)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: the dry run (--size tiny)")
     parser.add_argument("--size", default="M", choices=["M", "tiny"], help="M: the paper's; tiny: a quick look")

@@ -21,7 +21,8 @@ def tokens_per_s(model, prompt, new_tokens, kv_cache):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kv_cache", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", nargs="+", default=["tiny", "S"])
     p.add_argument("--residuals", nargs="+", default=["res", "hc", "mhc", "mhclite"])
     p.add_argument("--block_size", type=int, default=256)
