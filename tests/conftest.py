@@ -47,11 +47,21 @@ def write_char_dataset(root, name, text):
 FUSED_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fused")
 
 
+# Fixtures that train or count for a while, shared by several tests: with pytest-xdist's
+# --dist loadgroup (scripts/test.sh) the tests that use one run on one worker, which builds it once.
+SHARED_FIXTURES = ("hellaswag_runs", "runs", "run_dirs", "study", "counts")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Everything under tests/fused/ is marked `fused` (pytest -m fused runs the kernels' tests alone)."""
+    """Everything under tests/fused/ is marked `fused` (pytest -m fused runs the kernels' tests alone);
+    the tests of each of SHARED_FIXTURES form one xdist group."""
     for item in items:
         if str(item.path).startswith(FUSED_TESTS + os.sep):
             item.add_marker(pytest.mark.fused)
+        shared = next((name for name in SHARED_FIXTURES if name in item.fixturenames), None)
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(shared))
 
 
 @pytest.fixture(scope="module")
