@@ -91,8 +91,8 @@ def part_commands(part, args):
     if part == "train":
         size_flags = (["--batch_size=16", "--max_iters=20", "--warmup_iters=5", "--eval_interval=20",
                        "--log_interval=5"] if at_m else
-                      ["--batch_size=2", "--block_size=32", "--max_iters=4", "--warmup_iters=1", "--eval_interval=4",
-                       "--log_interval=2"])
+                      ["--n_layer=1", "--batch_size=2", "--block_size=32", "--max_iters=4", "--warmup_iters=1",
+                       "--eval_interval=4", "--log_interval=2"])
         return [(f"train.py, {residual}", python(
             "train.py", f"configs/{args.size}.py", f"configs/{residual}.py", "--dataset=random",
             f"--data_dir={os.path.join(args.out, 'data')}", f"--out_dir={os.path.join(args.out, f'train-{residual}')}",
