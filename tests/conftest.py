@@ -102,7 +102,7 @@ def hellaswag_runs(tmp_path_factory):
     runs = {}
     for name, overrides in FIXTURE_RUNS.items():
         runs[name] = root / name
-        train.main(tiny_args(root, runs[name], dataset="fixture", max_iters=30, eval_interval=30, block_size=96,
+        train.main(tiny_args(root, runs[name], dataset="fixture", max_iters=10, eval_interval=10, block_size=96,
                              **overrides))
     return runs
 
