@@ -35,6 +35,7 @@ from checkpoint import (DONE_FILE, CheckpointError, SaveError, check_same_model,
                         has_checkpoint, load_checkpoint, load_sharded, load_sharded_run, low_space_warning,
                         remove_stale_temp_files, save_checkpoint, save_failure_line, save_sharded, sharded_path)
 from config import ConfigError, TrainConfig, load_config
+from devices import autocast_context, peak_flops, synchronize
 from model import GPT, GPTConfig, compile_model, connection_path_line, model_shape
 from parallelize import apply_ac, apply_fsdp
 
@@ -45,8 +46,6 @@ PREPARE_COMMANDS = {
     "shakespeare": "python prepare_shakespeare.py",
     "shakespeare_char": "python prepare_shakespeare.py --tokenizer char",
 }
-# Dense bf16 tensor-core peak FLOP/s for MFU, matched against the GPU name in this order.
-PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
 # Generator streams derived from the seed: training batches and the two fixed eval sets.
 TRAIN_STREAM, EVAL_STREAMS = 0, {"train": 1, "val": 2}
 
@@ -114,30 +113,6 @@ def tf32_matmuls():
         yield
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-
-
-def synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def autocast_context(cfg, device):
-    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
-    if dtype == "float32":
-        return dtype, contextlib.nullcontext()
-    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ConfigError("this GPU does not support bfloat16; use --dtype=float32")
-    return dtype, torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-
-
-def peak_flops(cfg, device, dtype):
-    """Peak FLOP/s of one device for MFU, or None where MFU is not reported (CPU, unknown GPU)."""
-    if cfg.peak_flops is not None:
-        return cfg.peak_flops
-    if device.type != "cuda" or dtype != "bfloat16":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_FLOPS if key in name), None)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -9,9 +9,11 @@ with one forward and one backward kernel (kernels.py):
     y      = branch(u)
     x_next = connection_post(x, h_post, h_res, y, next_grad)
 
-CUDA is the target. On CPU the same kernels run in Triton's interpreter, for tests only: a CPU
-tensor takes this path only when INTERPRET_ON_CPU is set and TRITON_INTERPRET=1, which must be set
-before triton is imported (kernels.py, imported at the first kernel launch, imports it).
+CUDA is the target. On CPU the same kernels run in Triton's interpreter, for tests and dry runs
+only: a CPU tensor takes this path only when INTERPRET_ON_CPU is set (tools/interpreter.py) and
+TRITON_INTERPRET=1, which must be set before triton is imported (kernels.py, imported at the first
+kernel launch, imports it). The tools that exist only for developing the kernels (byte counter,
+resource check, launch recording, interpreter fixes) are in tools/; nothing here imports them.
 """
 
 import importlib.util
@@ -25,7 +27,7 @@ from .ops import MIN_SINKHORN_ITERS, STREAMS, connection_post, connection_pre
 
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 
-# Tests set this to drive the kernels through Triton's interpreter on CPU tensors.
+# Tests and dry runs set this to drive the kernels through Triton's interpreter on CPU tensors.
 INTERPRET_ON_CPU = False
 
 STREAM_DTYPES = (torch.float32, torch.bfloat16)

@@ -13,14 +13,13 @@ runs the coefficient math backward in registers (mhc: Sinkhorn recomputed from c
 writes grad x once with the mixing, projection and RMS terms in it, while each program reduces
 the projection weight's gradient for its tokens (summed by one small torch reduction). No autograd
 add of two full-size gradients, no cast copy of x. Saved for backward: x and per token O(n^2)
-floats (z, rms_inv), nothing n x C wide. Bytes per token: docs/benchmarks.md (python -m fused.count_bytes).
+floats (z, rms_inv), nothing n x C wide. Bytes per token: docs/benchmarks.md (python -m fused.tools.count_bytes).
 
 Every kernel launch goes through `_launch`; `launch_hook` lets a tool see (and run, or not) each one.
 """
 
 import contextlib
 import functools
-import os
 
 import torch
 
@@ -31,12 +30,12 @@ MIN_SINKHORN_ITERS = 4  # the Sinkhorn backward keeps four checkpoints
 
 # Tile sizes (constexprs): tokens per program (tl.dot needs >= 16) and channels per loop step, and
 # warps of the pre kernels: chosen so that no kernel spills registers on sm_80 or sm_90
-# (python -m fused.resources; docs/benchmarks.md).
+# (python -m fused.tools.resources; docs/benchmarks.md).
 BLOCK_TOKENS = 16
 BLOCK_CHANNELS = 16
 PRE_WARPS = 8
 # No software pipelining in pre_backward: with triton's default stages it spills registers
-# (python -m fused.resources; docs/benchmarks.md).
+# (python -m fused.tools.resources; docs/benchmarks.md).
 PRE_BACKWARD_STAGES = 1
 # Programs of the backward kernel, each with its own weight-sized partial of grad W: a fixed number,
 # so that the partials cost the same whatever the token count.
@@ -72,9 +71,6 @@ def _kernel_module():
     """kernels.py, imported at the first launch: importing this module never imports triton, so
     TRITON_INTERPRET, read when triton is imported, can still be set later."""
     from . import kernels
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        from .interpreter import fix_scalar_index
-        fix_scalar_index()
     return kernels
 
 

@@ -2,6 +2,7 @@
 char-level corpus fixture, tiny runs trained on the HellaSwag fixture (analysis/hellaswag.py,
 export_hf.py), and helpers several test files use (`from conftest import ...`)."""
 
+import importlib.util
 import json
 import os
 import random
@@ -20,6 +21,9 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 # also run inductor's Triton kernels).
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+    if importlib.util.find_spec("triton") is not None:
+        from fused.tools.interpreter import fix_scalar_index
+        fix_scalar_index()  # for every test that runs a kernel in the interpreter
 
 WORDS = ("the king and queen of a far land rode to the old castle where one bold knight kept "
          "watch over the river and the hills").split()
@@ -43,11 +47,21 @@ def write_char_dataset(root, name, text):
 FUSED_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fused")
 
 
+# Fixtures that train or count for a while, shared by several tests: with pytest-xdist's
+# --dist loadgroup (scripts/test.sh) the tests that use one run on one worker, which builds it once.
+SHARED_FIXTURES = ("hellaswag_runs", "runs", "run_dirs", "study", "counts")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Everything under tests/fused/ is marked `fused` (pytest -m fused runs the kernels' tests alone)."""
+    """Everything under tests/fused/ is marked `fused` (pytest -m fused runs the kernels' tests alone);
+    the tests of each of SHARED_FIXTURES form one xdist group."""
     for item in items:
         if str(item.path).startswith(FUSED_TESTS + os.sep):
             item.add_marker(pytest.mark.fused)
+        shared = next((name for name in SHARED_FIXTURES if name in item.fixturenames), None)
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(shared))
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +102,7 @@ def hellaswag_runs(tmp_path_factory):
     runs = {}
     for name, overrides in FIXTURE_RUNS.items():
         runs[name] = root / name
-        train.main(tiny_args(root, runs[name], dataset="fixture", max_iters=30, eval_interval=30, block_size=96,
+        train.main(tiny_args(root, runs[name], dataset="fixture", max_iters=10, eval_interval=10, block_size=96,
                              **overrides))
     return runs
 

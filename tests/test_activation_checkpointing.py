@@ -1,18 +1,18 @@
 """Activation checkpointing per block (parallelize.apply_ac): the same losses and gradients as
 without it, less kept for backward, the same checkpoints, under torch.compile too; and
-scripts/memory_table.py's depth and length formula against a full count."""
+benchmarks/memory.py's depth and length formula against a full count."""
 import copy
 
 import pytest
 import torch
 
 import train
-from bench import saved_activation_bytes
 from conftest import randomise
 from model import GPT, GPTConfig, compile_model
 from parallelize import apply_ac
 from residuals import RESIDUALS
-from scripts import memory_table
+from benchmarks import memory as memory_table
+from benchmarks.step import saved_activation_bytes
 from test_train import read_metrics, tiny_args
 
 pytestmark = pytest.mark.usefixtures("one_thread")

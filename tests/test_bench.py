@@ -1,13 +1,18 @@
-"""bench.py measures the models train.py trains, and its pieces do what their columns claim.
+"""The step benchmark (python bench.py, benchmarks/step.py) measures the models train.py trains, and
+its pieces and the ones all benchmarks share (benchmarks/common.py) do what their columns claim.
 Nothing here is timed."""
 import contextlib
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
-import bench
-from conftest import one_error_line
+from benchmarks import common
+from benchmarks import step as bench
+from conftest import assert_one_error_line, one_error_line
 from model import GPT, GPTConfig, compile_model, model_shape
 
 BLOCK, VOCAB, SEED = 16, 96, 3
@@ -17,17 +22,17 @@ SMALL_FLAGS = ["--size", "tiny", "--device", "cpu", "--batch_size", "2", "--bloc
 
 
 def variants(recompute="both", residuals=("res", "hc", "mhc", "mhclite")):
-    return bench.main_variants(list(residuals), recompute, model_shape("tiny"), BLOCK, VOCAB)
+    return common.main_variants(list(residuals), recompute, model_shape("tiny"), BLOCK, VOCAB)
 
 
 def batch():
-    return bench.random_batches(1, 2, BLOCK, VOCAB, SEED, DEVICE)[0]
+    return common.random_batches(1, 2, BLOCK, VOCAB, SEED, DEVICE)[0]
 
 
 def test_bench_models_compute_the_plain_gpt_loss():
     x, y = batch()
     assert x.shape == y.shape == (2, BLOCK) and torch.equal(x[:, 1:], y[:, :-1])
-    models = bench.build_models(variants(), SEED, DEVICE)
+    models = common.build_models(variants(), SEED, DEVICE)
     assert list(models) == ["res", "hc", "hc+recompute", "mhc", "mhc+recompute", "mhclite", "mhclite+recompute"]
     for name, model in models.items():
         torch.manual_seed(SEED)
@@ -39,15 +44,15 @@ def test_bench_models_compute_the_plain_gpt_loss():
 
 def test_recompute_rows_recompute_and_keep_the_gradients():
     x, y = batch()
-    models = bench.build_models(variants(residuals=("hc", "mhc", "mhclite")), SEED, DEVICE)
+    models = common.build_models(variants(residuals=("hc", "mhc", "mhclite")), SEED, DEVICE)
     for residual in ("hc", "mhc", "mhclite"):
         plain, recomputed = models[residual], models[residual + "+recompute"]
         assert all(m.recompute for m in recomputed.connections())
         assert not any(m.recompute for m in plain.connections())
         for model in (plain, recomputed):
             # a step moves the zero-initialised connection weights so their gradients matter too
-            optimizer = bench.make_optimizer(model, DEVICE)
-            bench.train_step(model, optimizer, x, y, contextlib.nullcontext())
+            optimizer = common.make_optimizer(model, DEVICE)
+            common.train_step(model, optimizer, x, y, contextlib.nullcontext())
             model(x, y)[1].backward()
         grads = [{n: p.grad for n, p in m.named_parameters()} for m in (plain, recomputed)]
         assert grads[0].keys() == grads[1].keys()
@@ -57,7 +62,7 @@ def test_recompute_rows_recompute_and_keep_the_gradients():
 
 def test_saved_activations_shrink_with_recompute():
     x, y = batch()
-    models = bench.build_models(variants(residuals=("res", "mhc")), SEED, DEVICE)
+    models = common.build_models(variants(residuals=("res", "mhc")), SEED, DEVICE)
     saved = {name: bench.saved_activation_bytes(model, x, y, contextlib.nullcontext()) for name, model in models.items()}
     assert 0 < saved["res"] < saved["mhc"]
     assert saved["mhc+recompute"] < saved["mhc"]
@@ -81,14 +86,14 @@ def test_saved_activations_exclude_parameters_and_count_shared_storage_once():
 def test_interleaving_rotates_the_order_every_round():
     calls = []
     steps = {name: (lambda r, name=name: calls.append((r, name))) for name in "abc"}
-    times = bench.interleaved_times(steps, 4, 1, DEVICE, None)
+    times = common.interleaved_times(steps, 4, 1, DEVICE, None)
     assert calls == [(0, "a"), (0, "b"), (0, "c"), (1, "b"), (1, "c"), (1, "a"),
                      (2, "c"), (2, "a"), (2, "b"), (3, "a"), (3, "b"), (3, "c")]
     assert {name: len(ms) for name, ms in times.items()} == {"a": 3, "b": 3, "c": 3}
 
 
 def test_ratios_are_medians_of_per_round_ratios():
-    summary = bench.summarise({"res": [10.0, 20.0, 40.0], "mhc": [15.0, 20.0, 100.0]}, {"res": "res", "mhc": "res"})
+    summary = common.summarise({"res": [10.0, 20.0, 40.0], "mhc": [15.0, 20.0, 100.0]}, {"res": "res", "mhc": "res"})
     assert summary["res"]["time_ratio"] == 1.0
     assert summary["mhc"]["time_ratio"] == 1.5
     assert summary["mhc"]["median_ms"] == 20.0
@@ -136,13 +141,20 @@ def test_n_sweep_compares_mhclite_budgets_to_mhc_per_n(tmp_path):
     (["--steps", "0"], "error: --steps must be >= 1"),
     (["--n_sweep", "6", "--k_sweep", "800"], "error: no mhclite permutation budget K <= 6! = 720"),
     (["--warmup", "-1"], "error: --warmup must be >= 0"),
-    (["--no-micro"], "error: --no-micro moved out of bench.py: use python scripts/micro_bench.py"),
-    (["--micro"], "error: --micro moved out of bench.py: use python scripts/micro_bench.py"),
+    (["--no-micro"], "error: --no-micro moved out of bench.py: use python -m benchmarks.micro"),
+    (["--micro"], "error: --micro moved out of bench.py: use python -m benchmarks.micro"),
 ])
 def test_bad_input_is_one_error_line(flags, message, tmp_path, capsys):
     assert one_error_line(bench.main, SMALL_FLAGS + flags + ["--json", str(tmp_path / "x.json")],
                           capsys).startswith(message)
     assert not (tmp_path / "x.json").exists()
+
+
+def test_bench_py_is_the_step_benchmarks_command():
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, "bench.py", "--size", "XL"], cwd=repo, capture_output=True, text=True)
+    assert result.returncode == 2
+    assert_one_error_line(result.stderr, "unknown size 'XL'", alone=True)
 
 
 GIB = 2**30
@@ -162,7 +174,7 @@ def test_timing_groups_pair_each_variant_with_its_baseline_when_all_do_not_fit()
     baselines = {name: "res" for name in names}
     assert bench.timing_groups(names, baselines, memory, budget=50 * GIB) == [
         ["res", "hc"], ["res", "hc+recompute"], ["res", "mhc"]]
-    with pytest.raises(bench.BenchError, match="do not fit"):
+    with pytest.raises(common.BenchError, match="do not fit"):
         bench.timing_groups(names, baselines, memory, budget=40 * GIB)
 
 
@@ -179,7 +191,7 @@ def test_memory_probe_and_timing_share_one_compile_per_variant(monkeypatch, tmp_
 
     def probe(variant, batches, ctx, device):
         for x, y in batches[:2]:
-            bench.train_step(variant.runner, variant.optimizer, x, y, ctx)
+            common.train_step(variant.runner, variant.optimizer, x, y, ctx)
         probed.append(graph_counter.graphs)
         return bench.state_bytes(variant.model, variant.optimizer), 1
 

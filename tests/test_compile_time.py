@@ -1,16 +1,11 @@
-"""scripts/compile_time.py: each variant's compile probed in a fresh process, cold then warm."""
+"""python -m benchmarks.compile_time: each variant's compile probed in a fresh process, cold then warm."""
 
 import json
-import os
-import sys
 
 import pytest
 
+from benchmarks import compile_time
 from conftest import one_error_line
-
-# Importable by name: the probes' fresh processes import it again to find compile_probe.
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-import compile_time  # noqa: E402
 
 FLAGS = ["--size", "tiny", "--device", "cpu", "--batch_size", "2", "--block_size", "16", "--vocab_size", "96",
          "--steps", "2", "--seed", "3"]

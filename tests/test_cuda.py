@@ -1,8 +1,8 @@
-"""The CUDA paths, on a GPU only (`pytest -m cuda`; scripts/gpu_check.sh runs them). Skipped on CPU.
+"""The CUDA paths, on a GPU only (`pytest -m cuda`; python -m benchmarks.gpu_check runs them). Skipped on CPU.
 
 mhclite's exactness under every float32 matmul precision and bf16 autocast; compiled (inductor) =
-eager for every variant; the fused connection kernels against residuals.py; fused AdamW; bench.py's
-CUDA peak-memory path.
+eager for every variant; the fused connection kernels against residuals.py; fused AdamW; the step
+benchmark's CUDA peak-memory path.
 """
 
 import contextlib
@@ -11,18 +11,18 @@ import json
 import pytest
 import torch
 
-import bench
 import fused
+from benchmarks import step as bench
 from conftest import randomise
 from model import DEFAULT_COMPILE_MODE, GPT, MODEL_SIZES, GPTConfig, compile_model
 from residuals import RESIDUALS, capture_connections
 
 pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run scripts/gpu_check.sh there)")]
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (python -m benchmarks.gpu_check runs it there)")]
 
 VOCAB, BLOCK = 256, 64
 DEVICE = "cuda"
-# The options off the default path, marked so that gpu_check.sh's stages can pick them apart.
+# The options off the default path, marked so that `pytest -m` can pick them apart.
 FUSED = pytest.param(True, marks=pytest.mark.fused)
 BF16_STREAMS = pytest.param("bfloat16", marks=pytest.mark.bf16_streams)
 

@@ -1,92 +1,84 @@
-"""scripts/gpu_check.py's data and table on CPU with a tiny model (the GPU runs it at M)."""
+"""python -m benchmarks.gpu_check: the CPU dry run of every part at tiny shapes (the GPU runs it at M),
+its summary, and its flags."""
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+import torch
 
-import bench
-import train
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(REPO, "scripts", "gpu_check.py")
-STAGES = ["tests", "bench", "train", "options", "kernels"]
+from benchmarks import gpu_check
+from conftest import one_error_line
 
 
-def run_script(*args):
-    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, cwd=REPO)
+def summary_rows(text):
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines() if line.startswith("| ")]
+    return {row[0]: row for row in rows if row[0] in gpu_check.PARTS}
 
 
-@pytest.mark.slow
-def test_random_data_trains_and_the_table_reports_every_variant(tmp_path):
-    assert run_script("data", str(tmp_path / "data")).returncode == 0
-    tokens = np.fromfile(tmp_path / "data" / "random" / "train.bin", dtype=np.uint16)
-    assert tokens.max() < 50257 and len(np.unique(tokens[:100000])) > 40000
-    for residual in ("res", "mhclite"):
-        train.main(["--dataset=random", f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / f'train-{residual}'}",
-                    "--size=tiny", f"--residual={residual}", "--n_layer=1", "--block_size=32", "--batch_size=2",
-                    "--gradient_accumulation_steps=1", "--max_iters=6", "--warmup_iters=2", "--eval_interval=6",
-                    "--eval_iters=1", "--log_interval=2", "--device=cpu", "--compile=false"])
-    bench.main(["--size", "tiny", "--device", "cpu", "--batch_size", "2", "--block_size", "32", "--steps", "2",
-                "--warmup", "1", "--residuals", "res,mhclite", "--recompute", "off", "--json", str(tmp_path / "bench.json")])
-    result = run_script("table", str(tmp_path))
-    assert result.returncode == 0, result.stderr
-    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
-            for line in result.stdout.splitlines() if line.startswith("| ") and "variant" not in line}
-    assert set(rows) == {"res", "mhclite"}
-    assert rows["res"][-1] == "-"  # no H_res in res
-    assert float(rows["mhclite"][-1]) < 1e-6 and float(rows["mhclite"][-2]) < 1e-6  # exact, trained weights
-    assert float(rows["mhclite"][1].replace(",", "")) > 0  # tokens/s
-    assert float(rows["mhclite"][0]) > 0  # the first step's seconds
-    assert json.loads((tmp_path / "bench.json").read_text())["variants"]["mhclite"]["time_ratio"] > 0
-
-
-def run_check(*args, out):
-    env = dict(os.environ, PYTHON=sys.executable)
-    return subprocess.run(["bash", "scripts/gpu_check.sh", "--device", "cpu", "--size", "tiny", "--out", str(out), *args],
-                          capture_output=True, text=True, cwd=REPO, env=env)
-
-
-def stage_statuses(summary):
-    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in summary.splitlines() if line.startswith("| ")]
-    return {row[0]: row[2] for row in rows if row[0] in STAGES}
+def run_check(parts, out, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_check.main(["--device", "cpu", "--size", "tiny", "--out", str(out), *parts])
+    return exit_info.value.code, capsys.readouterr().out
 
 
 @pytest.mark.slow
-def test_cpu_dry_run_runs_every_stage_and_the_summary_comes_last(tmp_path):
-    """The whole GPU check at tiny shapes on CPU, in two commands on one results folder."""
+def test_cpu_dry_run_runs_every_part_and_the_summary_comes_last(tmp_path, capsys):
+    """Every part at tiny shapes on CPU, in two commands on one results folder: the second command's
+    summary also covers the parts of the first."""
     out = tmp_path / "check"
-    first = run_check("bench", "tests", out=out)
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    assert stage_statuses((out / "summary.md").read_text()) == {
-        "tests": "ok", "bench": "ok", "train": "not run", "options": "not run", "kernels": "not run"}
-    assert first.stdout.index("gpu_check: tests") < first.stdout.index("gpu_check: bench")  # the planned order
+    code, printed = run_check(["bench", "tests"], out, capsys)
+    assert code == 0, printed
+    statuses = {part: row[1] for part, row in summary_rows((out / "summary.md").read_text()).items()}
+    assert statuses == {"tests": "ok", "bench": "ok", "train": "not run", "kernels": "not run"}
+    assert printed.index("gpu_check: tests") < printed.index("gpu_check: bench")  # the parts' order
 
-    second = run_check("train", "options", "kernels", out=out)
+    code, printed = run_check(["train", "kernels"], out, capsys)
     summary = (out / "summary.md").read_text()
-    assert second.stdout.rstrip().endswith(summary.rstrip())  # printed last
-    statuses = stage_statuses(summary)
-    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    assert set(statuses.values()) == {"ok"}
-    for name in ["bench.json", "micro.json", "kernels.json", "bench-stream_dtype_bfloat16.json", "bench-fused_connections_on_stream_dtype_bfloat16.json",
-                 *(f"{s}.log" for s in STAGES)]:
+    assert printed.rstrip().endswith(summary.rstrip())  # printed last
+    assert code == 0, printed
+    rows = summary_rows(summary)
+    assert {part: row[1] for part, row in rows.items()} == dict.fromkeys(gpu_check.PARTS, "ok")
+    for name in ["kernels.json", *(f"{part}.log" for part in gpu_check.PARTS)]:
         assert (out / name).is_file(), name
-    rows = {line.split("|")[1].strip() for line in summary.splitlines() if line.startswith("| ")}
-    assert {"res", "hc", "mhc", "mhclite", "stream_dtype_bfloat16", "fused_connections_on_stream_dtype_bfloat16"} <= rows
-    for residual in ("res", "hc", "mhc", "mhclite"):
+    for name, _ in gpu_check.BENCH_RUNS:
+        variants = json.loads(open(gpu_check.bench_json(str(out), name)).read())["variants"]
+        assert variants["mhclite"]["time_ratio"] > 0
+        assert variants["mhclite"]["connections"]["path"] == ("fused" if "fused" in name else "reference"), name
+        assert f"{name} " in rows["bench"][4]
+    assert "passed" in rows["tests"][4] and "32 skipped" in rows["tests"][4]  # test_cuda.py skips on CPU
+    tokens = np.fromfile(out / "data" / "random" / "train.bin", dtype=np.uint16)
+    assert tokens.max() < gpu_check.GPT2_TOKENS and len(np.unique(tokens[:100000])) > 40000
+    for residual in gpu_check.VARIANTS:
         assert (out / f"train-{residual}" / "done").is_file()
+        assert f"{residual} " in rows["train"][4]
+    # the trained mhclite's H_res is exact; hc's is not doubly stochastic at all
+    errors = {cell.split()[0]: cell.split()[-1] for cell in rows["train"][4].split("; ") if "sum" in cell}
+    assert float(errors["mhclite"]) < 1e-6 < float(errors["hc"])
+    assert rows["kernels"][4].startswith("x copy: hc float32 ")
 
 
-def test_unknown_stage_is_one_error_line(tmp_path):
-    result = run_check("benchmark", out=tmp_path)
-    assert result.returncode == 2
-    assert result.stderr.strip() == "error: unknown stage 'benchmark'; valid: tests bench train options kernels"
-    assert not (tmp_path / "summary.md").exists()
+def test_help_says_what_each_part_verifies(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_check.main(["--help"])
+    assert exit_info.value.code == 0
+    printed = capsys.readouterr().out
+    assert "ESTIMATED" in printed and "H100" in printed
+    for part in gpu_check.PARTS:
+        assert f"  {part}  " in printed and f"~{gpu_check.ESTIMATE_MIN[part]} " in printed, part
 
 
-def test_usage_errors_exit_2():
-    assert run_script().returncode == 2
-    assert run_script("plot", "x").returncode == 2
+@pytest.mark.parametrize("argv, message", [
+    (["benchmark"], "error: unknown part 'benchmark'; valid: tests bench train kernels"),
+    (["--device", "cpu", "--size", "M"], "error: the CPU dry run is --device cpu --size tiny"),
+    (["--size", "XL"], "error: argument --size: invalid choice: 'XL'"),
+])
+def test_bad_input_is_one_error_line(argv, message, tmp_path, capsys):
+    out = tmp_path / "check"
+    assert one_error_line(gpu_check.main, ["--device", "cpu", "--out", str(out), *argv], capsys).startswith(message)
+    assert not out.exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is visible here")
+def test_cuda_without_a_gpu_is_one_error_line(capsys):
+    assert "no CUDA GPU is visible" in one_error_line(gpu_check.main, ["bench"], capsys)

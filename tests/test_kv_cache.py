@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import sample
+from benchmarks import kv_cache
 from model import GPT, GPTConfig
 from sample import KVCache
 
@@ -85,3 +86,13 @@ def test_sample_py_prints_the_same_text_with_and_without_the_cache(hellaswag_run
                      "--device=cpu", *extra])
         texts.append(capsys.readouterr().out)
     assert texts[0] == texts[1] and len(texts[0]) > 2 * 120
+
+
+def test_kv_cache_speed_table_has_a_row_per_size_and_variant(capsys):
+    """python -m benchmarks.kv_cache: tokens/s with and without the cache, side by side (not checked:
+    nothing here is timed)."""
+    kv_cache.main(["--sizes", "tiny", "--residuals", "res", "mhclite", "--block_size", "16", "--prompt_tokens", "4",
+                   "--new_tokens", "3"])
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny")]
+    assert [(size.strip(), variant.strip()) for size, variant, *_ in rows] == [("tiny", "res"), ("tiny", "mhclite")]
+    assert all(float(uncached) > 0 and float(cached) > 0 for _, _, uncached, cached, _ in rows)

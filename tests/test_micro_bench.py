@@ -1,18 +1,14 @@
-"""scripts/micro_bench.py: one connection module alone and H_res construction alone, interleaved as
-bench.py measures steps. Nothing here is timed."""
+"""python -m benchmarks.micro: one connection module alone and H_res construction alone, interleaved
+as the step benchmark measures steps. Nothing here is timed."""
 
 import json
-import os
-import sys
 
 import pytest
 import torch
 
-from scripts import bench_common
+from benchmarks import common
+from benchmarks import micro as micro_bench
 from conftest import one_error_line
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-import micro_bench  # noqa: E402
 
 DEVICE = torch.device("cpu")
 FLAGS = ["--size", "tiny", "--device", "cpu", "--batch_size", "2", "--block_size", "16", "--steps", "2",
@@ -42,7 +38,7 @@ def test_main_writes_each_connection_with_ratios_to_res_and_h_res_with_op_counts
     assert h_res["mhc"]["ops"] > h_res["mhclite"]["ops"] > 0
     assert h_res["mhc_over_mhclite_ops"] == h_res["mhc"]["ops"] / h_res["mhclite"]["ops"]
     assert h_res["mhclite"]["time_ratio"] == 1.0
-    assert result["command"].startswith("python scripts/micro_bench.py --size tiny")
+    assert result["command"].startswith("python -m benchmarks.micro --size tiny")
     assert result["settings"]["batch_size"] == 2
     printed = capsys.readouterr().out
     assert "| mhclite+recompute |" in printed and "| H_res alone, 32 x n=4 (fwd+bwd) |" in printed
@@ -70,4 +66,4 @@ def test_help_describes_every_flag(capsys):
              "--stream_dtype", "--fused_connections", "--steps", "--warmup", "--seed", "--json"]
     assert all(f"  {flag} " in printed for flag in flags)
     assert "--vocab_size" not in printed  # the connections and H_res do not depend on it
-    assert all(bench_common.SHARED_FLAGS[flag].get("help") for flag in flags[:-1])
+    assert all(common.SHARED_FLAGS[flag].get("help") for flag in flags[:-1])

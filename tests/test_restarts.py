@@ -344,9 +344,9 @@ def test_a_folder_that_vanishes_during_a_save_is_one_line(data_dir, tmp_path, mo
 
 
 def test_checkpoint_cost_measures_a_save_with_adamws_full_state(tmp_path, capsys):
-    """scripts/checkpoint_cost.py, which made docs/training.md's table: a row per size whose file
+    """benchmarks/checkpoint_cost.py, which made docs/training.md's table: a row per size whose file
     holds the weights and AdamW's two moments (12 bytes per parameter in fp32), and no file left."""
-    from scripts.checkpoint_cost import main
+    from benchmarks.checkpoint_cost import main
     main(["--sizes", "tiny", "--repeats", "1", "--residual", "res", "--out_dir", str(tmp_path)])
     row = capsys.readouterr().out.splitlines()[-1]
     size, params, gigabytes, save_s, load_s = (cell.strip() for cell in row.strip("|").split("|"))

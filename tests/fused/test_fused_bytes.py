@@ -1,4 +1,4 @@
-"""The byte counter (python -m fused.count_bytes) and the fused path's budget: per token and
+"""The byte counter (python -m fused.tools.count_bytes) and the fused path's budget: per token and
 connection, forward + backward, at most 7 nCs + 16 C bytes (n = 4, C = 768) for every variant and
 stream dtype. The kernels run in Triton's interpreter on CPU (tests/conftest.py sets TRITON_INTERPRET)."""
 
@@ -15,7 +15,9 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 import triton.language as tl  # noqa: E402
 
 import fused  # noqa: E402
-from fused import bench_kernels, count_bytes, ops  # noqa: E402
+from benchmarks import kernels as bench_kernels  # noqa: E402
+from fused import ops  # noqa: E402
+from fused.tools import count_bytes  # noqa: E402
 from residuals import RESIDUALS  # noqa: E402
 
 
@@ -93,8 +95,8 @@ def test_cli_writes_the_json_schema(tmp_path, capsys, monkeypatch, counts):
 
 
 def test_the_kernel_bytes_file_the_gpu_check_carries_is_a_fresh_count(counts):
-    """fused/kernel_bytes.json (python -m fused.count_bytes --json fused/kernel_bytes.json) is what
-    python -m fused.bench_kernels reads on the GPU machine, where the interpreter never runs."""
+    """fused/tools/kernel_bytes.json (python -m fused.tools.count_bytes --json fused/tools/kernel_bytes.json)
+    is what python -m benchmarks.kernels reads on the GPU machine, where the interpreter never runs."""
     carried = bench_kernels.read_kernel_bytes(bench_kernels.KERNEL_BYTES)
     assert set(carried) == set(counts)
     for residual, per_dtype in counts.items():

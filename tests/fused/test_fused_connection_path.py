@@ -1,23 +1,19 @@
 """Which code runs the connections: fused.unsupported_reason, and the path train.py, bench.py and
-scripts/micro_bench.py report, checked against the path the forward takes (a spy on connection_forward).
+python -m benchmarks.micro report, checked against the path the forward takes (a spy on connection_forward).
 The fused path runs on CPU only in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET)."""
 
 import json
 import os
-import sys
 
 import pytest
 import torch
 
-import bench
 import fused
 import train
+from benchmarks import micro as micro_bench
+from benchmarks import step as bench
 from model import GPT, GPTConfig, connection_path_line
 from residuals import RESIDUALS, Residual
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "scripts"))
-import micro_bench  # noqa: E402
 
 needs_triton = pytest.mark.skipif(not fused.TRITON_AVAILABLE, reason="triton is not installed")
 CPU = torch.device("cpu")
@@ -59,6 +55,23 @@ def test_connection_path_line(fused_on, residual):
         x = torch.empty(0, 1, model.config.n_streams, 16)
         reason = fused.unsupported_reason(model.connections()[0], x)
         assert reason and line == f"connections: {residual} reference (fused_connections=True but: {reason})"
+
+
+@needs_triton
+@pytest.mark.parametrize("stream_dtype, interpret, expected", [
+    ("float32", False, "connections: mhclite reference (fused_connections=True but: {reason})"),
+    ("bfloat16", False, "connections: mhclite reference (fused_connections=True but: {reason}); never run on a "
+                        "GPU yet: bf16 streams"),
+    ("bfloat16", True, "connections: mhclite fused (Triton interpreter, n=4); never run on a GPU yet: fused kernels, "
+                       "bf16 streams")])
+def test_connection_path_line_names_what_no_gpu_has_run(stream_dtype, interpret, expected, monkeypatch):
+    """train.py's connections line says so when a run turns on the fused kernels or bf16 streams."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(fused, "INTERPRET_ON_CPU", interpret)
+    model = GPT(GPTConfig(**TINY, residual="mhclite", fused_connections=True, stream_dtype=stream_dtype))
+    x = torch.empty(0, 1, 4, 16, dtype=getattr(torch, stream_dtype))
+    reason = fused.unsupported_reason(model.connections()[0], x)
+    assert connection_path_line("mhclite", model.connection_path(CPU)) == expected.format(reason=reason)
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""python -m fused.bench_kernels on CPU, in Triton's interpreter at tiny shapes: every recorded
+"""python -m benchmarks.kernels on CPU, in Triton's interpreter at tiny shapes: every recorded
 launch is replayed alone and reported with the counted bytes. The times are not checked (never a
 timed test)."""
 
@@ -9,11 +9,12 @@ import torch
 
 pytest.importorskip("triton")
 
-import bench  # noqa: E402
+from benchmarks import kernels as bench_kernels  # noqa: E402
+from benchmarks import step  # noqa: E402
 from conftest import one_error_line  # noqa: E402
 import fused  # noqa: E402
-from fused import bench_kernels, ops  # noqa: E402
-from fused.launches import connection_launches  # noqa: E402
+from fused import ops  # noqa: E402
+from fused.tools.launches import connection_launches  # noqa: E402
 from residuals import RESIDUALS  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -105,7 +106,7 @@ def test_the_backward_is_timed_with_each_program_count_capped_at_the_token_block
 
 
 def test_the_default_kernel_bytes_file_is_count_bytes_json():
-    """bench_kernels reads bytes per token from a file (nothing runs the interpreter on a GPU
+    """The kernel benchmark reads bytes per token from a file (nothing runs the interpreter on a GPU
     machine); tests/fused/test_fused_bytes.py keeps that file equal to a fresh count."""
     args = bench_kernels.resolve(bench_kernels.parse_args(FLAGS))
     counted = bench_kernels.read_kernel_bytes(args.kernel_bytes)
@@ -126,8 +127,8 @@ def test_kernels_bad_settings_give_one_error_line(flags, interpret, message, mon
     assert message in one_error_line(bench_kernels.main, argv, capsys)
 
 
-@pytest.mark.parametrize("flag, replacement", [("--kernels", "python -m fused.bench_kernels"),
-                                               ("--kernel_bytes=x.json", "python -m fused.bench_kernels"),
-                                               ("--compile_time", "python scripts/compile_time.py")])
+@pytest.mark.parametrize("flag, replacement", [("--kernels", "python -m benchmarks.kernels"),
+                                               ("--kernel_bytes=x.json", "python -m benchmarks.kernels"),
+                                               ("--compile_time", "python -m benchmarks.compile_time")])
 def test_bench_flags_that_moved_name_their_command(flag, replacement, capsys):
-    assert replacement in one_error_line(bench.main, ["--size", "tiny", flag], capsys)
+    assert replacement in one_error_line(step.main, ["--size", "tiny", flag], capsys)

@@ -1,5 +1,5 @@
 """The fused connection kernels compile for sm_80 and sm_90 without a GPU, with the argument types,
-alignment and constexprs the model launches them with (python -m fused.resources), and the
+alignment and constexprs the model launches them with (python -m fused.tools.resources), and the
 specialisation we compile with is the one triton's JIT builds.
 
 The compilation runs in a subprocess: triton's compiler cannot run where TRITON_INTERPRET=1 was set
@@ -16,8 +16,8 @@ import torch
 triton = pytest.importorskip("triton")
 
 from fused import ops  # noqa: E402
-from fused import resources  # noqa: E402
-from fused.launches import connection_launches, jit_specialisation, specialise  # noqa: E402
+from fused.tools import resources  # noqa: E402
+from fused.tools.launches import connection_launches, jit_specialisation, specialise  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -84,7 +84,7 @@ def test_every_launched_kernel_compiles_for_sm80_and_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")  # compile for real, not from an earlier run
     out = tmp_path / "resources.json"
-    proc = subprocess.run([sys.executable, "-m", "fused.resources", "--json", str(out), "--jobs", "2"], cwd=REPO, env=env,
+    proc = subprocess.run([sys.executable, "-m", "fused.tools.resources", "--json", str(out), "--jobs", "2"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = json.loads(out.read_text())["records"]

@@ -1,8 +1,8 @@
 """Registers, stack (local memory), shared memory and resident CTAs per SM of every fused connection
 kernel the model launches, compiled for sm_80 and sm_90 on a machine without a GPU.
 
-    python -m fused.resources                          # Markdown table
-    python -m fused.resources --json out/kernel_resources.json
+    python -m fused.tools.resources                    # Markdown table
+    python -m fused.tools.resources --json out/kernel_resources.json
 
 For hc, mhc and mhclite (n = 4) at C = 768 and an odd width, with float32 and bfloat16 streams,
 under bf16 autocast and in float32, the launches of one forward + backward of a connection are
@@ -32,9 +32,9 @@ import tempfile
 import time
 import warnings
 
-from scripts.bench_common import fmt, markdown_table
+from benchmarks.common import fmt, markdown_table
+from fused import TRITON_AVAILABLE, ops
 
-from . import TRITON_AVAILABLE, ops
 from .launches import connection_launches, jit_specialisation
 
 RESIDUALS = ("hc", "mhc", "mhclite")

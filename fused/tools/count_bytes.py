@@ -1,6 +1,6 @@
 """Bytes per token per connection of the fused path, counted on CPU in Triton's interpreter.
 
-    python -m fused.count_bytes [--json PATH] [--residuals hc,mhc,mhclite] [--stream_dtypes float32,bfloat16]
+    python -m fused.tools.count_bytes [--json PATH] [--residuals hc,mhc,mhclite] [--stream_dtypes float32,bfloat16]
 
 Runs forward and backward of `connection_forward` at n = 4, C = 768 under bf16 autocast with a
 bf16 branch output (as the model runs), with every kernel in Triton's interpreter, and counts:
@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 import fused  # noqa: E402
 from fused import ops  # noqa: E402
-from fused.interpreter import version_problem  # noqa: E402
+from fused.tools.interpreter import fix_scalar_index, version_problem  # noqa: E402
 from residuals import RESIDUALS  # noqa: E402
 
 VARIANTS = ("hc", "mhc", "mhclite")
@@ -196,6 +196,7 @@ def counting_setup(programs=1):
     the same size at both token counts, and how many there are does not change bytes per token); one
     channel block over all of C, for the fewest interpreted loop trips (each address counts once
     whatever the tiles)."""
+    fix_scalar_index()
     settings = [(fused, "INTERPRET_ON_CPU", True), (ops, "WEIGHT_GRAD_PROGRAMS", programs),
                 (ops, "BLOCK_CHANNELS", 1 << (WIDTH - 1).bit_length())]
     saved = [getattr(module, name) for module, name, _ in settings]

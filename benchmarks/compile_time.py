@@ -2,11 +2,11 @@
 a run's first start), then warm (a second fresh process on the caches the first filled: a resume, or
 the next run of a sweep on the same machine).
 
-    python scripts/compile_time.py --size tiny --device cpu --recompute off
-    python scripts/compile_time.py --size tiny --device cpu --compile_mode both --steps 5
-    TRITON_INTERPRET=1 python scripts/compile_time.py --size tiny --device cpu --fused_connections on ...
+    python -m benchmarks.compile_time --size tiny --device cpu --recompute off
+    python -m benchmarks.compile_time --size tiny --device cpu --compile_mode both --steps 5
+    TRITON_INTERPRET=1 python -m benchmarks.compile_time --size tiny --device cpu --fused_connections on ...
 
-A probe takes 1 + --steps compiled training steps of one variant (bench.py's train_step, on its
+A probe takes 1 + --steps compiled training steps of one variant (the step benchmark's train_step, on its
 random batches); compile s is the first step minus the median of the others. Markdown to stdout,
 JSON to --json (default out/bench/<size>-<device>-<dtype>-compile-time.json).
 """
@@ -23,25 +23,25 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from devices import autocast_context, synchronize
+from model import COMPILE_MODES, DEFAULT_COMPILE_MODE, compile_model
 
-import bench  # noqa: E402
-from scripts.bench_common import (BenchError, add_shared_flag, environment, fmt, markdown_table, ratio,  # noqa: E402
-                                  resolve_shared_flags, write_json)
-from model import COMPILE_MODES, DEFAULT_COMPILE_MODE, compile_model  # noqa: E402
-from train import autocast_context, synchronize  # noqa: E402
+from .common import (NUM_BATCHES, BenchError, add_shared_flag, build_models, environment, fmt, main_variants,
+                     make_optimizer, markdown_table, random_batches, ratio, resolve_shared_flags, same_mode_baselines,
+                     train_step, with_compile_modes, write_json)
 
 
 def compile_probe(args, name):
     """In this process: (compile s, first step s, compiled step ms, graphs dynamo compiled) of variant `name`."""
-    import fused
-    fused.INTERPRET_ON_CPU = args.interpret_on_cpu
+    if args.interpret_on_cpu:
+        from fused.tools.interpreter import interpret_on_cpu
+        interpret_on_cpu()
     configs, modes = variant_configs(args)
     device = torch.device(args.device_type)
-    model = bench.build_models({name: configs[name]}, args.seed, device)[name]
-    optimizer = bench.make_optimizer(model, device)
+    model = build_models({name: configs[name]}, args.seed, device)[name]
+    optimizer = make_optimizer(model, device)
     compiled = compile_model(model, modes[name])
-    batches = bench.random_batches(bench.NUM_BATCHES, args.batch_size, args.block_size, args.vocab_size, args.seed,
+    batches = random_batches(NUM_BATCHES, args.batch_size, args.block_size, args.vocab_size, args.seed,
                                    device)
     ctx = autocast_context(args, device)[1]
     times = []
@@ -49,7 +49,7 @@ def compile_probe(args, name):
         x, y = batches[i % len(batches)]
         synchronize(device)
         start = time.perf_counter()
-        bench.train_step(compiled, optimizer, x, y, ctx)
+        train_step(compiled, optimizer, x, y, ctx)
         synchronize(device)
         times.append(time.perf_counter() - start)
     step_s = statistics.median(times[1:])
@@ -93,12 +93,12 @@ def compile_times(args):
 def variant_configs(args):
     common = dict(shape=args.shape, block_size=args.block_size, vocab_size=args.vocab_size,
                   stream_dtype=args.stream_dtype, fused_connections=args.fused_connections == "on")
-    return bench.with_compile_modes(bench.main_variants(args.residual_list, args.recompute, **common),
+    return with_compile_modes(main_variants(args.residual_list, args.recompute, **common),
                                     args.compile_modes)
 
 
 def compile_table(results):
-    baselines = bench.same_mode_baselines(results, "res")
+    baselines = same_mode_baselines(results, "res")
     rows = [[name, fmt(r["compile_s"], ".1f"),
              fmt(ratio(r["compile_s"], results.get(baselines[name], {}).get("compile_s")), ".2f"),
              fmt(r["warm_compile_s"], ".1f"), fmt(r["first_step_s"], ".1f"), fmt(r["step_ms"], ".1f"),
@@ -108,7 +108,7 @@ def compile_table(results):
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.compile_time", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for flag in ("--size", "--batch_size", "--block_size", "--device", "--dtype", "--residuals", "--recompute",
                  "--stream_dtype", "--fused_connections", "--vocab_size", "--seed"):
@@ -130,7 +130,7 @@ def main(argv=None):
         sys.exit(2)
     args.compile_modes = list(COMPILE_MODES) if args.compile_mode == "both" else [args.compile_mode]
     json_path = args.json or os.path.join("out", "bench", f"{args.size}-{args.device_type}-{args.dtype}-compile-time.json")
-    result = dict(environment(argv, torch.device(args.device_type), "scripts/compile_time.py"),
+    result = dict(environment(argv, torch.device(args.device_type), "-m", "benchmarks.compile_time"),
                   compile_time=compile_times(args))
     print(f"## Compile time: cold (fresh process and inductor cache per variant), then warm (a second "
           f"process on that cache)\n\n{compile_table(result['compile_time'])}\n")

@@ -3,11 +3,11 @@
 `recorded_launches` installs an ops.launch_hook for the length of a `with` block and keeps each
 launch with its arguments, so that
 
-  - fused/resources.py compiles each kernel for a GPU without one, with the argument
+  - resources.py compiles each kernel for a GPU without one, with the argument
     types, alignment and constexprs the model launches it with (recorded without running: no
     Triton interpreter needed, and the outputs stay uninitialised; jit_specialisation turns a
     launch into what triton's JIT would compile), and
-  - fused/bench_kernels.py times each launch replayed alone (recorded while running).
+  - benchmarks/kernels.py times each launch replayed alone (recorded while running).
 
 `connection_launches` builds a connection as model.py does (`connection_setup`) and runs it the way
 a training step does: the branch is a bias-free Linear like the sublayers' c_proj (bf16 output
@@ -19,10 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+from fused import connection_forward, ops
 from model import STREAM_DTYPES, GPTConfig, connection_options
 from residuals import RESIDUALS
-
-from . import connection_forward, ops
 
 
 @dataclass

@@ -1,14 +1,15 @@
 """Each fused connection kernel alone: time, GB/s from the counted bytes per token, and the ratio to
 a device-to-device copy of the streams; and a connection's backward by its number of grad-W partials.
 
-    python -m fused.bench_kernels --size M                   # on a GPU
-    TRITON_INTERPRET=1 python -m fused.bench_kernels --size tiny --device cpu --batch_size 1 --block_size 16
+    python -m benchmarks.kernels --size M                    # on a GPU
+    TRITON_INTERPRET=1 python -m benchmarks.kernels --size tiny --device cpu --batch_size 1 --block_size 16
                                                              # CPU dry run in Triton's interpreter (times mean nothing)
 
 For each HC-family variant with fp32 and bf16 streams, the launches of one forward + backward of the
-variant's connection are recorded (launches.py), then each is replayed alone and timed. The bytes
-per token per kernel come from a JSON file written by `python -m fused.count_bytes --json PATH` on a
-CPU (default: fused/kernel_bytes.json, which the tests keep equal to a fresh count), so that nothing
+variant's connection are recorded (fused/tools/launches.py), then each is replayed alone and timed.
+The bytes per token per kernel come from a JSON file written by `python -m fused.tools.count_bytes
+--json PATH` on a CPU (default: fused/tools/kernel_bytes.json, which the tests keep equal to a fresh
+count), so that nothing
 here runs Triton's interpreter on the GPU machine. A second table times a connection's whole backward
 with each of PROGRAM_COUNTS pre_backward programs, each with its own grad-W partial.
 """
@@ -22,16 +23,17 @@ import time
 
 import torch
 
-from bench import HC_FAMILY, interleaved_times
+from devices import synchronize
+from fused import TRITON_AVAILABLE, connection_forward, ops, packed_parameters
+from fused.tools.interpreter import fix_scalar_index
+from fused.tools.launches import connection_launches, connection_setup
 from model import STREAM_DTYPES, GPTConfig
-from scripts.bench_common import (BenchError, add_shared_flag, fmt, markdown_table, ratio, resolve_shared_flags,
-                                  write_json)
-from train import synchronize
 
-from . import TRITON_AVAILABLE, connection_forward, ops, packed_parameters
-from .launches import connection_launches, connection_setup
+from .common import (HC_FAMILY, BenchError, add_shared_flag, environment, fmt, interleaved_times, markdown_table,
+                     ratio, resolve_shared_flags, write_json)
 
-KERNEL_BYTES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernel_bytes.json")
+KERNEL_BYTES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fused", "tools",
+                            "kernel_bytes.json")
 # Program counts of pre_backward (each with its own weight-sized grad-W partial) timed against the
 # default, to choose between fewer partials and more of the GPU busy in the backward.
 PROGRAM_COUNTS = (16, 32, 64, 128)
@@ -104,7 +106,7 @@ def kernel_bench(args, device):
 def backward_by_programs(args, device):
     """A connection's whole backward (both backward kernels, the branch's backward, the sum of the
     grad-W partials) timed with each of PROGRAM_COUNTS pre_backward programs (capped at the token
-    blocks), interleaved round by round with bench.py's interleaved_times."""
+    blocks), interleaved round by round as the step benchmark's steps."""
     tokens = args.batch_size * args.block_size
     blocks = -(-tokens // ops.BLOCK_TOKENS)
     counts = sorted({min(programs, blocks) for programs in (*PROGRAM_COUNTS, ops.WEIGHT_GRAD_PROGRAMS)})
@@ -158,12 +160,12 @@ def kernel_table(result):
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.kernels", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for flag in ("--size", "--batch_size", "--block_size", "--device", "--dtype", "--steps", "--warmup", "--seed"):
         add_shared_flag(parser, flag)
     parser.add_argument("--residuals", default=",".join(HC_FAMILY), help="the HC-family variants, comma-separated")
-    parser.add_argument("--kernel_bytes", default=KERNEL_BYTES, help="python -m fused.count_bytes --json output")
+    parser.add_argument("--kernel_bytes", default=KERNEL_BYTES, help="python -m fused.tools.count_bytes --json output")
     parser.add_argument("--json", help="output path (default out/bench/<size>-<device>-<dtype>-kernels.json)")
     return parser.parse_args(argv)
 
@@ -177,6 +179,8 @@ def resolve(args):
     if args.device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise BenchError("times the Triton kernels on CUDA; on CPU it runs only under TRITON_INTERPRET=1 "
                          "(a dry run at tiny shapes)")
+    if args.device_type == "cpu":
+        fix_scalar_index()  # connection_forward is called directly: the kernels run whatever INTERPRET_ON_CPU
     if args.json is None:
         args.json = os.path.join("out", "bench", f"{args.size}-{args.device_type}-{args.dtype}-kernels.json")
     return args
@@ -187,9 +191,8 @@ def main(argv=None):
     try:
         args = resolve(parse_args(argv))
         device = torch.device(args.device_type)
-        result = dict(command=" ".join(["python", "-m", "fused.bench_kernels", *argv]), torch=torch.__version__,
-                      device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                      mode="kernels", kernels=kernel_bench(args, device))
+        result = dict(environment(argv, device, "-m", "benchmarks.kernels"), mode="kernels",
+                      kernels=kernel_bench(args, device))
         result["programs"] = backward_by_programs(args, device)
     except BenchError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,6 +1,7 @@
-"""What the fused package takes from Triton's private interpreter API (TRITON_INTERPRET=1: the tests
-on CPU and the byte counter), for the triton versions it has been run with: 3.6 (the GPU machines')
-to 3.9 (CI's). Nothing here runs on a GPU.
+"""The fused kernels on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1, set before triton is
+imported), for the tests, the byte counter and the benchmarks' CPU dry runs; and what that takes from
+Triton's private interpreter API, for the triton versions it has been run with: 3.6 (the GPU
+machines') to 3.9 (CI's). Nothing here runs on a GPU.
 """
 
 import re
@@ -32,3 +33,11 @@ def fix_scalar_index():
 
     patch_with_element_index.takes_the_element = True
     interpreter._patch_lang_tensor = patch_with_element_index
+
+
+def interpret_on_cpu():
+    """Let connection_forward take CPU tensors (fused.INTERPRET_ON_CPU), with the interpreter fixed
+    for this triton."""
+    import fused
+    fix_scalar_index()
+    fused.INTERPRET_ON_CPU = True

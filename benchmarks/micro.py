@@ -1,7 +1,7 @@
 """Micro-benchmarks of the residual variants: one connection module alone, and H_res construction alone.
 
-    python scripts/micro_bench.py --size tiny --device cpu
-    python scripts/micro_bench.py --size M        # on a GPU: cuda, bf16 autocast, 16 x 1024
+    python -m benchmarks.micro --size tiny --device cpu
+    python -m benchmarks.micro --size M        # on a GPU: cuda, bf16 autocast, 16 x 1024
 
 Interleaved as bench.py interleaves training steps; what each table measures: docs/benchmarks.md.
 Markdown to stdout, JSON to --json (default out/bench/<size>-<device>-<dtype>-micro.json).
@@ -16,14 +16,12 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from devices import autocast_context, synchronize
+from model import STREAM_DTYPES, GPTConfig, build_connection, connection_path
+from residuals import permutation_matrices, sinkhorn
 
-import bench  # noqa: E402
-from scripts.bench_common import (BenchError, add_shared_flag, environment, fmt, markdown_table,  # noqa: E402
-                                  resolve_shared_flags, write_json)
-from model import STREAM_DTYPES, GPTConfig, build_connection, connection_path  # noqa: E402
-from residuals import permutation_matrices, sinkhorn  # noqa: E402
-from train import autocast_context, synchronize  # noqa: E402
+from .common import (HC_FAMILY, BenchError, add_shared_flag, environment, fmt, interleaved_times, main_variants,
+                     markdown_table, resolve_shared_flags, summarise, write_json)
 
 
 def half(u):
@@ -56,14 +54,14 @@ def micro_connections(configs, args, device):
     steps, paths = {}, {}
     for name, config in configs.items():
         shape = (args.batch_size, args.block_size, config.n_streams, config.n_embd)
-        dtype = STREAM_DTYPES[config.stream_dtype] if config.residual in bench.HC_FAMILY else torch.float32
+        dtype = STREAM_DTYPES[config.stream_dtype] if config.residual in HC_FAMILY else torch.float32
         x = torch.randn(shape, generator=generator).to(device, dtype).requires_grad_()
         grad = torch.randn(shape, generator=generator).to(device, dtype)
         module = build_connection(config, 0).to(device)
         steps[name] = connection_step(module, x, grad, ctx, config.fused_connections)
         paths[name] = connection_path(config, module, device)
-    times = bench.interleaved_times(steps, args.warmup + args.steps, args.warmup, device, "micro: connections")
-    summary = bench.summarise(times, {name: "res" for name in configs})
+    times = interleaved_times(steps, args.warmup + args.steps, args.warmup, device, "micro: connections")
+    summary = summarise(times, {name: "res" for name in configs})
     for name, row in summary.items():
         row["connections"] = paths[name]
     return summary
@@ -114,8 +112,8 @@ def micro_h_res(args, device, n, iters):
     """mhc's and mhclite's H_res alone on B*T rows, interleaved, with their op counts."""
     rows = args.batch_size * args.block_size
     steps = h_res_steps(n, rows, iters, args.seed, device)
-    times = bench.interleaved_times(steps, args.warmup + args.steps, args.warmup, device, "micro: H_res")
-    summary = bench.summarise(times, {"mhc": "mhclite", "mhclite": "mhclite"})
+    times = interleaved_times(steps, args.warmup + args.steps, args.warmup, device, "micro: H_res")
+    summary = summarise(times, {"mhc": "mhclite", "mhclite": "mhclite"})
     for name, fn in steps.items():
         summary[name]["ops"] = count_ops(fn, device)
     return dict(n_streams=n, rows=rows, sinkhorn_iters=iters, **summary,
@@ -140,7 +138,7 @@ def h_res_table(h_res):
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.micro", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for flag in ("--size", "--batch_size", "--block_size", "--device", "--dtype", "--residuals", "--recompute",
                  "--stream_dtype", "--fused_connections", "--steps", "--warmup", "--seed"):
@@ -151,11 +149,10 @@ def parse_args(argv):
 
 def run(args, argv):
     device = torch.device(args.device_type)
-    configs = bench.main_variants(args.residual_list, args.recompute, args.shape, args.block_size,
-                                  GPTConfig.vocab_size,  # the connections do not use it
-                                  stream_dtype=args.stream_dtype,
-                                  fused_connections=args.fused_connections == "on")
-    result = environment(argv, device, "scripts/micro_bench.py")
+    configs = main_variants(args.residual_list, args.recompute, args.shape, args.block_size,
+                            GPTConfig.vocab_size,  # the connections do not use it
+                            stream_dtype=args.stream_dtype, fused_connections=args.fused_connections == "on")
+    result = environment(argv, device, "-m", "benchmarks.micro")
     result["settings"] = dict(size=args.size, **args.shape, batch_size=args.batch_size, block_size=args.block_size,
                               dtype=args.dtype, steps=args.steps, warmup=args.warmup, recompute=args.recompute,
                               stream_dtype=args.stream_dtype, fused_connections=args.fused_connections == "on",

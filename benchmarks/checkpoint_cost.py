@@ -2,7 +2,7 @@
 (rank 0 writes the model, AdamW's two moments, the RNG states; temp file, fsync, rename), and
 the seconds a resume takes to load it, for each size, on this machine's disk.
 
-    python scripts/checkpoint_cost.py --sizes M L --residual mhclite --out_dir /tmp/ckpt_cost
+    python -m benchmarks.checkpoint_cost --sizes M L --residual mhclite --out_dir /tmp/ckpt_cost
 
 The numbers decide --ckpt_interval: a save every k steps costs save_s / k per step, and a lost
 worker costs up to k steps (docs/training.md).
@@ -15,11 +15,10 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import train  # noqa: E402
-from checkpoint import load_checkpoint  # noqa: E402
-from config import load_config  # noqa: E402
-from model import GPT  # noqa: E402
+import train
+from checkpoint import load_checkpoint
+from config import load_config
+from model import GPT
 
 
 def parse_args(argv):

@@ -2,10 +2,10 @@
 weights + gradients + AdamW state per GPU under DDP and under FSDP2, and the activations autograd
 keeps for one sequence, with and without activation checkpointing (--activation_checkpointing).
 
-    python scripts/memory_table.py                        # the table in docs/training.md
-    python scripts/memory_table.py --check S,M            # and the formula against full-depth counts
+    python -m benchmarks.memory                  # the table in docs/training.md
+    python -m benchmarks.memory --check S,M      # and the formula against full-depth counts
 
-Activations are counted on CPU (saved-tensor bytes, bench.saved_activation_bytes) and are exactly
+Activations are counted on CPU (saved-tensor bytes, step.saved_activation_bytes) and are exactly
 affine in the depth L and in the sequence length T (every layer is the same, nothing saved is T x T),
 so they are counted on 1- and 2-layer models of the size's width at two short lengths and
 extrapolated; --check counts the full-depth model at full length and prints both.
@@ -20,7 +20,7 @@ import sys
 import torch
 from tqdm import tqdm
 
-from bench import saved_activation_bytes
+from benchmarks.step import saved_activation_bytes
 from model import GPT, MODEL_SIZES, GPTConfig
 from parallelize import apply_ac
 from residuals import RESIDUALS

@@ -2,16 +2,13 @@
 sample.generate on a seeded random model of each size and variant (speed does not depend on the
 weights), greedy, one sequence, after one warm-up call.
 
-    OMP_NUM_THREADS=1 python scripts/kv_cache_speed.py --sizes tiny S --new_tokens 200
+    OMP_NUM_THREADS=1 python -m benchmarks.kv_cache --sizes tiny S --new_tokens 200
 """
 import argparse
-import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 import sample
 from model import GPT, GPTConfig, model_shape
 
@@ -24,7 +21,8 @@ def tokens_per_s(model, prompt, new_tokens, kv_cache):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kv_cache", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", nargs="+", default=["tiny", "S"])
     p.add_argument("--residuals", nargs="+", default=["res", "hc", "mhc", "mhclite"])
     p.add_argument("--block_size", type=int, default=256)

@@ -1,0 +1,293 @@
+"""The GPU check: is this code correct on this GPU, and how fast is it here? One command, in parts.
+
+    python -m benchmarks.gpu_check                     # every part, on the GPU, at M
+    python -m benchmarks.gpu_check bench kernels       # some parts (run the others later: same --out)
+    python -m benchmarks.gpu_check --device cpu --size tiny   # the CPU dry run at tiny shapes (CI runs it)
+
+Parts, in the order they run, with what each verifies and its minutes on one H100 at M (ESTIMATED
+from an earlier version of the code on an H100 and from CPU runs, not measured):
+  tests    ~10  the CUDA tests (mhclite exact under every matmul precision, compiled = eager for every
+                variant with and without the fused kernels and bf16 streams, the kernels against
+                residuals.py, fused AdamW, the step benchmark's peak memory), then the fast CPU tests
+                here, which also run the kernel tests on this GPU
+  bench    ~8   the step benchmark (python bench.py) at M for res and mhclite: the reference path with and
+                without recompute, the fused kernels, bf16 streams, and both: time, peak memory, MFU
+  train    ~4   20 steps of train.py per variant at M on random tokens, compiled block by block (the
+                first step's time is the cold compile); the trained H_res's row and column sums
+  kernels  ~2   each fused kernel alone (python -m benchmarks.kernels): GB/s from the counted bytes per
+                token against a device-to-device copy, and the backward by its number of grad-W partials
+A failing part does not stop the next. Each part logs to OUT/<part>.log and leaves its JSON in OUT
+(default out/gpu_check); OUT/parts.json remembers every part run into OUT, so the summary printed last
+covers the parts of earlier commands too. Exit code 1 if a part failed, 2 for bad flags.
+The CPU dry run runs every part at tiny shapes, eagerly, with Triton's interpreter where the
+kernels run (its tests part runs one CPU test: CI runs the rest). Inductor and Triton caches are kept
+in .cache/ (ignored by git), so a later command reuses earlier compiles.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+
+from checkpoint import load_model
+from residuals import capture_connections
+
+from .common import fmt
+
+PARTS = ("tests", "bench", "train", "kernels")
+ESTIMATE_MIN = {"tests": 10, "bench": 8, "train": 4, "kernels": 2}  # on one H100 at M: estimated, not measured
+VARIANTS = ("res", "hc", "mhc", "mhclite")
+# The step benchmark's runs of the bench part: (name, flags); res stays nanoGPT's in every one.
+BENCH_RUNS = (("reference", []),
+              ("fused", ["--recompute", "off", "--fused_connections", "on"]),
+              ("bf16 streams", ["--recompute", "off", "--stream_dtype", "bfloat16"]),
+              ("fused + bf16 streams", ["--recompute", "off", "--fused_connections", "on",
+                                        "--stream_dtype", "bfloat16"]))
+GPT2_TOKENS = 50257
+SPLIT_TOKENS = {"train": 4_000_000, "val": 400_000}
+COLSUM_SEQUENCES = 4  # of the model's block_size, for the row/column-sum check
+DRY_RUN = ["--batch_size", "1", "--block_size", "16", "--steps", "1", "--warmup", "0"]  # the fewest kernel programs
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one `error:` line (no usage block) and exit code 2."""
+
+    def error(self, message):
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+# ----------------------------------------------------------------------------------------------
+# The parts: each a list of (label, command line, extra environment)
+
+
+def python(*args):
+    return [sys.executable, *args]
+
+
+def part_commands(part, args):
+    """The commands of one part, in order."""
+    at_m = args.size == "M"
+    fused_env = {} if args.device == "cuda" else {"TRITON_INTERPRET": "1"}  # the interpreter on CPU only
+    shape = [] if at_m else DRY_RUN
+    if part == "tests":
+        cpu_tests = ["tests"] if at_m else ["tests/test_gpu_check.py::test_help_says_what_each_part_verifies"]
+        return [("CUDA tests", python("-m", "pytest", "-q", "-m", "cuda", "tests/test_cuda.py"), {}),
+                ("fast CPU tests", python("-m", "pytest", "-q", "-m", "not slow and not cuda", *cpu_tests), {})]
+    if part == "bench":
+        return [(f"bench.py, {name}", python("bench.py", "--size", args.size, "--device", args.device,
+                                             "--residuals", "res,mhclite", *flags, *shape,
+                                             *([] if at_m else ["--vocab_size", "512"]),
+                                             "--json", bench_json(args.out, name)),
+                 fused_env if "--fused_connections" in flags else {})
+                for name, flags in BENCH_RUNS]
+    if part == "train":
+        size_flags = (["--batch_size=16", "--max_iters=20", "--warmup_iters=5", "--eval_interval=20",
+                       "--log_interval=5"] if at_m else
+                      ["--n_layer=1", "--batch_size=2", "--block_size=32", "--max_iters=4", "--warmup_iters=1",
+                       "--eval_interval=4", "--log_interval=2"])
+        return [(f"train.py, {residual}", python(
+            "train.py", f"configs/{args.size}.py", f"configs/{residual}.py", "--dataset=random",
+            f"--data_dir={os.path.join(args.out, 'data')}", f"--out_dir={os.path.join(args.out, f'train-{residual}')}",
+            f"--device={args.device}", "--gradient_accumulation_steps=1", "--eval_iters=2", "--compile_mode=blocks",
+            *size_flags), {}) for residual in VARIANTS]
+    return [("benchmarks.kernels", python("-m", "benchmarks.kernels", "--size", args.size, "--device", args.device,
+                                          *shape, "--json", os.path.join(args.out, "kernels.json")), fused_env)]
+
+
+def bench_json(out, name):
+    return os.path.join(out, f"bench-{name.replace(' + ', '-').replace(' ', '_')}.json")
+
+
+def run_part(part, args):
+    """Runs a part's commands (all of them, even after one fails), logging to OUT/<part>.log; returns
+    (status, seconds)."""
+    if part == "train":
+        for residual in VARIANTS:  # every run starts afresh
+            shutil.rmtree(os.path.join(args.out, f"train-{residual}"), ignore_errors=True)
+        write_random_data(os.path.join(args.out, "data"))
+    start, failed = time.time(), []
+    env = dict(os.environ, WANDB_MODE="disabled", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               TORCHINDUCTOR_CACHE_DIR=os.environ.get("TORCHINDUCTOR_CACHE_DIR", os.path.abspath(".cache/inductor")),
+               TRITON_CACHE_DIR=os.environ.get("TRITON_CACHE_DIR", os.path.abspath(".cache/triton")))
+    with open(os.path.join(args.out, f"{part}.log"), "w", encoding="utf-8") as log:
+        for label, command, extra in part_commands(part, args):
+            print(f"gpu_check: {part}: {label}", flush=True)
+            log.write(f"$ {' '.join(command)}\n")
+            log.flush()
+            code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=dict(env, **extra)).returncode
+            log.write(f"exit code {code}\n")
+            if code != 0:
+                failed.append(f"{label} ({code})")
+    if failed:
+        print(f"gpu_check: {part} failed: {', '.join(failed)}; the end of {log.name}:\n{tail(log.name)}")
+    return ("failed: " + ", ".join(failed) if failed else "ok"), time.time() - start
+
+
+def tail(path, lines=30):
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return "".join(f.readlines()[-lines:])
+
+
+# ----------------------------------------------------------------------------------------------
+# Random training data, and what the parts left in OUT
+
+
+def write_random_data(data_dir):
+    """Uniform random GPT-2 token ids (seeded) in nanoGPT's format, as dataset 'random'."""
+    folder = os.path.join(data_dir, "random")
+    os.makedirs(folder, exist_ok=True)
+    generator = np.random.default_rng(0)
+    for split, count in SPLIT_TOKENS.items():
+        generator.integers(0, GPT2_TOKENS, count, dtype=np.uint16).tofile(os.path.join(folder, f"{split}.bin"))
+    meta = dict(tokenizer="gpt2", vocab_size=GPT2_TOKENS, source="uniform random ids (benchmarks/gpu_check.py)",
+                train_tokens=SPLIT_TOKENS["train"], val_tokens=SPLIT_TOKENS["val"])
+    with open(os.path.join(folder, "meta.json"), "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=2)
+
+
+def read_json(path):
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def training_throughput(run_dir):
+    """Median tokens/s over the logged windows after the first (which compiles)."""
+    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    windows = [r["tokens_per_s"] for r in records if r.get("tokens_per_s") is not None]
+    return statistics.median(windows[1:] or windows) if windows else None
+
+
+@torch.no_grad()
+def stochasticity_error(run_dir, device):
+    """max |row or column sum - 1| of every H_res the trained model makes on a random batch, under
+    bf16 autocast as in training (None for res)."""
+    model, _ = load_model(os.path.join(run_dir, "ckpt.pt"), device)
+    if model.config.residual == "res":
+        return None
+    shape = (COLSUM_SEQUENCES, model.config.block_size)
+    idx = torch.randint(0, GPT2_TOKENS, shape, generator=torch.Generator().manual_seed(0)).to(device)
+    with capture_connections(model) as records, torch.autocast(device.type, dtype=torch.bfloat16):
+        model(idx)
+    h = torch.cat([r["h_res"].flatten(0, -3) for r in records])
+    return max((h.sum(-1) - 1).abs().max().item(), (h.sum(-2) - 1).abs().max().item())
+
+
+def tests_result(out):
+    """pytest's closing line of each command in tests.log."""
+    with open(os.path.join(out, "tests.log"), encoding="utf-8", errors="replace") as f:
+        lines = [line.strip().strip("=").strip() for line in f if " in " in line and
+                 any(word in line for word in ("passed", "failed", "skipped", "error"))]
+    return "; ".join(lines)
+
+
+def bench_result(out):
+    """mhclite against res in each run of the step benchmark."""
+    cells = []
+    for name, _ in BENCH_RUNS:
+        result = read_json(bench_json(out, name))
+        if result:
+            lite = result["variants"]["mhclite"]
+            peak = f", peak x {fmt(lite['cuda_peak_ratio'], '.2f')}" if lite.get("cuda_peak_ratio") else ""
+            cells.append(f"{name} {fmt(lite['time_ratio'], '.2f')}{peak} ({lite['connections']['path']})")
+    return "mhclite x res: " + "; ".join(cells) if cells else "-"
+
+
+def train_result(out, device):
+    cells = []
+    for residual in VARIANTS:
+        run_dir = os.path.join(out, f"train-{residual}")
+        if os.path.isfile(os.path.join(run_dir, "done")):
+            error = stochasticity_error(run_dir, device)
+            sums = f", max abs(sum - 1) {error:.1e}" if error is not None else ""
+            cells.append(f"{residual} {fmt(training_throughput(run_dir), ',.0f')} tok/s{sums}")
+    return "; ".join(cells) or "-"
+
+
+def kernels_result(out):
+    """Per variant and stream dtype: the four kernels' counted bytes over their summed time, against a copy."""
+    result = read_json(os.path.join(out, "kernels.json"))
+    if not result:
+        return "-"
+    groups = {}
+    for row in result["kernels"]["rows"]:
+        group = groups.setdefault((row["residual"], row["stream_dtype"]), dict(bytes=0.0, ms=0.0))
+        group["bytes"] += (row["bytes_per_token"] or 0) * result["kernels"]["tokens"]
+        group["ms"] += row["ms"]
+    copies = result["kernels"]["copies"]
+    return "x copy: " + "; ".join(
+        f"{residual} {dtype} {fmt(g['bytes'] / g['ms'] / 1e6 / copies[dtype]['gb_per_s'], '.2f')}"
+        for (residual, dtype), g in groups.items())
+
+
+def summary(args, parts):
+    device = torch.device(args.device)
+    results = {"tests": lambda: tests_result(args.out), "bench": lambda: bench_result(args.out),
+               "train": lambda: train_result(args.out, device), "kernels": lambda: kernels_result(args.out)}
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU dry run"
+    lines = [f"## GPU check: {name}, torch {torch.__version__} (--device {args.device} --size {args.size}, "
+             f"results and logs in {args.out})", "",
+             "| part | status | minutes | estimate min (one H100 at M, not measured) | result |",
+             "|---|---|---|---|---|"]
+    for part in PARTS:
+        if part in parts:
+            status, seconds = parts[part]["status"], fmt(parts[part]["seconds"] / 60, ".1f")
+            result = results[part]() if os.path.isfile(os.path.join(args.out, f"{part}.log")) else "-"
+        else:
+            status, seconds, result = "not run", "-", "-"
+        lines.append(f"| {part} | {status} | {seconds} | {ESTIMATE_MIN[part]} | {result} |")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+
+
+def parse_args(argv):
+    parser = OneLineParser(prog="python -m benchmarks.gpu_check", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("parts", nargs="*", metavar="PART", help=f"some of {', '.join(PARTS)} (default: all)")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: the dry run (--size tiny)")
+    parser.add_argument("--size", default="M", choices=["M", "tiny"], help="M: the paper's; tiny: a quick look")
+    parser.add_argument("--out", default=os.path.join("out", "gpu_check"), help="results folder")
+    args = parser.parse_args(argv)
+    unknown = [part for part in args.parts if part not in PARTS]
+    if unknown:
+        parser.error(f"unknown part '{unknown[0]}'; valid: {' '.join(PARTS)}")
+    if args.device == "cpu" and args.size != "tiny":
+        parser.error("the CPU dry run is --device cpu --size tiny")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("no CUDA GPU is visible; this check needs one (the CPU dry run: --device cpu --size tiny)")
+    args.parts = [part for part in PARTS if part in args.parts] or list(PARTS)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else list(argv))
+    os.makedirs(args.out, exist_ok=True)
+    state = os.path.join(args.out, "parts.json")
+    parts = read_json(state) or {}
+    for part in args.parts:
+        status, seconds = run_part(part, args)
+        parts[part] = dict(status=status, seconds=seconds)
+        with open(state, "w", encoding="utf-8") as f:
+            json.dump(parts, f, indent=2)
+    table = summary(args, parts)
+    with open(os.path.join(args.out, "summary.md"), "w", encoding="utf-8") as f:
+        f.write(table + "\n")
+    print(f"\n{table}")
+    sys.exit(1 if any(parts[part]["status"] != "ok" for part in args.parts) else 0)
+
+
+if __name__ == "__main__":
+    main()
