@@ -135,7 +135,7 @@ def summarise(times, baselines):
 
 
 SHARED_FLAGS = {
-    "--size": dict(default="tiny", help="tiny, S, M or L"),
+    "--size": dict(default="tiny", help="tiny, S, M, L, XL or 7B"),
     "--batch_size": dict(type=int, help="default 8 for tiny, 16 otherwise"),
     "--block_size": dict(type=int, help="default 128 for tiny, 1024 otherwise"),
     "--device": dict(default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda when available"),

@@ -5,6 +5,7 @@ Its command is the top-level bench.py:
     python bench.py --size M        # on a GPU: cuda, bf16, compiled, 16 x 1024, with and without recompute
     python bench.py --size tiny --device cpu --n_sweep 4,6,8 --k_sweep 8,32,128   # mhclite (K perms) vs mhc per n
     python bench.py --size tiny --device cpu --compile on --compile_mode both     # whole model vs block by block
+    python bench.py --size S --device cpu --activation_checkpointing both         # what checkpointing costs and saves
 
 Every variant lives in this one process. Round r runs one training step (train.py's) of every
 variant in an order rotated by r, and a variant's ratio is the median over rounds of its step time
@@ -24,12 +25,14 @@ from tqdm import tqdm
 
 from devices import autocast_context, peak_flops, synchronize
 from model import COMPILE_MODES, DEFAULT_COMPILE_MODE, GPTConfig, compile_model
+from parallelize import apply_ac
 
 from .common import (BLOCKS_SUFFIX, NUM_BATCHES, SHARED_FLAGS, BenchError, add_shared_flag, build_models,
                      environment, fmt, interleaved_times, main_variants, make_optimizer, markdown_table,
                      random_batches, ratio, resolve_shared_flags, same_mode_baselines, summarise, train_step,
                      with_compile_modes, write_json)
 
+AC_SUFFIX = "+ac"  # the variant with activation checkpointing (parallelize.apply_ac)
 MEMORY_STEPS = 2  # steps measured for a variant's peak memory, after one warm-up step
 MEMORY_BUDGET_FRACTION = 0.85  # of the free GPU memory, for the variants timed side by side
 # Flags that moved out of bench.py, and the command that has them now.
@@ -76,6 +79,26 @@ class Variant:
             for key, value in state.items():
                 if torch.is_tensor(value):
                     state[key] = value.to(device)
+
+
+def with_activation_checkpointing(configs, setting):
+    """({name: GPTConfig}, names whose blocks are checkpointed): "on" checkpoints every variant,
+    "both" adds "<name>+ac" next to each."""
+    if setting == "off":
+        return configs, set()
+    if setting == "on":
+        return configs, set(configs)
+    named = {}
+    for name, config in configs.items():
+        named[name], named[name + AC_SUFFIX] = config, config
+    return named, {name for name in named if name.endswith(AC_SUFFIX)}
+
+
+def same_kind_baselines(names, baseline):
+    """{name: the baseline run the same way}: res, with "+ac" and "/blocks" where the row has them."""
+    bases = same_mode_baselines(names, baseline)
+    return {name: base.replace(baseline, baseline + AC_SUFFIX, 1) if AC_SUFFIX in name else base
+            for name, base in bases.items()}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -173,7 +196,7 @@ def to_host(variants, device):
         torch.cuda.empty_cache()
 
 
-def bench_models(configs, baselines, compile_modes, args, device):
+def bench_models(configs, baselines, compile_modes, args, device, checkpointed=frozenset()):
     """Time, tokens/s, MFU and memory of every variant, built and compiled once. On CUDA each variant's
     memory is measured alone first; the timing then runs in as few groups as fit on the GPU."""
     measure = measures_memory(device)
@@ -182,6 +205,8 @@ def bench_models(configs, baselines, compile_modes, args, device):
     variants, memory = {}, {}
     for name in tqdm(configs, desc="build" + (", memory one variant at a time" if measure else ""), leave=False):
         model = build_models({name: configs[name]}, args.seed, device)[name]
+        if name in checkpointed:
+            apply_ac(model)
         runner = compile_model(model, compile_modes[name]) if args.use_compile else model
         variants[name] = Variant(model, make_optimizer(model, device), runner)
         if measure:
@@ -210,6 +235,7 @@ def bench_models(configs, baselines, compile_modes, args, device):
             row.update(residual=config.residual, n_streams=config.n_streams, mhclite_perms=config.mhclite_perms,
                        recompute=config.recompute_connections, stream_dtype=config.stream_dtype,
                        fused_connections=config.fused_connections, compile_mode=compile_modes[name],
+                       activation_checkpointing=name in checkpointed,
                        params=model.get_num_params(), timing_group=index, tokens_per_s=tokens_per_step / seconds,
                        mfu=model.estimate_mfu(tokens_per_step, seconds, args.peak) if args.peak else None,
                        saved_activation_bytes=saved_activation_bytes(model, *batches[0], ctx),
@@ -253,6 +279,24 @@ def connections_line(summary):
         f"; never run on a GPU yet: {', '.join(untried)}" if untried else "")
 
 
+def checkpointing_table(summary):
+    """Each variant with activation checkpointing against itself without: step time (median of the
+    per-round ratios) and saved activations."""
+    rows = []
+    for name, row in summary.items():
+        plain = summary.get(name.replace(AC_SUFFIX, "", 1)) if AC_SUFFIX in name else None
+        if plain is None:
+            continue
+        same_round = plain["timing_group"] == row["timing_group"]
+        time_ratio = (statistics.median(a / b for a, b in zip(row["step_ms"], plain["step_ms"])) if same_round
+                      else row["median_ms"] / plain["median_ms"])
+        rows.append([name, fmt(plain["median_ms"], ".1f"), fmt(row["median_ms"], ".1f"), fmt(time_ratio, ".3f"),
+                     fmt(plain["saved_activation_bytes"] / 2**20, ".1f"), fmt(row["saved_activation_bytes"] / 2**20, ".1f"),
+                     fmt(ratio(row["saved_activation_bytes"], plain["saved_activation_bytes"]), ".3f")])
+    return markdown_table(["variant", "without ms", "with ms", "time x without", "act MB without", "act MB with",
+                           "act x without"], rows)
+
+
 def blocks_table(summary):
     """Compiled step time by blocks against the whole-model compile of the same variant."""
     rows = [[name, fmt(whole["median_ms"], ".1f"), fmt(row["median_ms"], ".1f"), fmt(row["blocks_over_model"], ".3f")]
@@ -287,6 +331,9 @@ def parse_args(argv):
     parser.add_argument("--compile_mode", default=DEFAULT_COMPILE_MODE, choices=[*COMPILE_MODES, "both"],
                         help="what torch.compile compiles: the whole model, or each transformer block and the head "
                              "(regional: one compiled block serves every layer); both: a row for each")
+    parser.add_argument("--activation_checkpointing", default="off", choices=["off", "on", "both"],
+                        help="recompute each block in backward (train.py's --activation_checkpointing); both: a "
+                             "'+ac' row next to each variant")
     parser.add_argument("--n_sweep", type=int_list, help="stream counts n: mhclite vs mhc per n (e.g. 4,6,8)")
     parser.add_argument("--k_sweep", type=int_list, default=[8, 32, 128],
                         help="mhclite permutation budgets K for --n_sweep (K <= n!; all n! added for n <= 5)")
@@ -302,6 +349,8 @@ def resolve(args):
     args.compile_modes = list(COMPILE_MODES) if args.compile_mode == "both" else [args.compile_mode]
     if args.compile_mode == "both" and args.n_sweep:
         raise BenchError("--compile_mode both compares the --residuals variants; run it without --n_sweep")
+    if args.activation_checkpointing != "off" and args.n_sweep:
+        raise BenchError("--activation_checkpointing compares the --residuals variants; run it without --n_sweep")
     args.peak = peak_flops(args, torch.device(args.device_type), args.dtype)
     if args.json is None:
         suffix = ("-compiled" if args.use_compile else "") + ("-sweep" if args.n_sweep else "")
@@ -318,6 +367,7 @@ def run(args, argv):
                               tokens_per_step=args.batch_size * args.block_size, dtype=args.dtype,
                               compile=args.use_compile, compile_mode=args.compile_mode, steps=args.steps,
                               warmup=args.warmup, recompute=args.recompute, stream_dtype=args.stream_dtype,
+                              activation_checkpointing=args.activation_checkpointing,
                               fused_connections=args.fused_connections == "on", vocab_size=args.vocab_size,
                               seed=args.seed, peak_flops=args.peak)
     title = (f"{args.size} ({args.shape['n_layer']}L, {args.shape['n_embd']}d), batch {args.batch_size} x "
@@ -326,18 +376,23 @@ def run(args, argv):
              f"{result['device_name']}, torch {torch.__version__}, {args.steps} rounds after {args.warmup} warm-up")
     if args.n_sweep:
         configs, baselines = sweep_variants(args.n_sweep, args.k_sweep, args.recompute, **common)
-        modes = {name: args.compile_mode for name in configs}
+        modes, checkpointed = {name: args.compile_mode for name in configs}, set()
         result.update(mode="n_sweep", baseline="mhc with the same n")
         heading, baseline_label = "n/K sweep: mhclite vs mhc", "mhc"
     else:
-        configs, modes = with_compile_modes(main_variants(args.residual_list, args.recompute, **common),
-                                            args.compile_modes if args.use_compile else COMPILE_MODES[:1])
-        baselines = same_mode_baselines(configs, "res")
+        configs, checkpointed = with_activation_checkpointing(
+            main_variants(args.residual_list, args.recompute, **common), args.activation_checkpointing)
+        configs, modes = with_compile_modes(configs, args.compile_modes if args.use_compile else COMPILE_MODES[:1])
+        checkpointed = {name for name in configs if name.removesuffix(BLOCKS_SUFFIX) in checkpointed}
+        baselines = same_kind_baselines(configs, "res")
         result.update(mode="variants", baseline="res")
         heading, baseline_label = "Training step", "res"
-    result["variants"] = bench_models(configs, baselines, modes, args, device)
+    result["variants"] = bench_models(configs, baselines, modes, args, device, checkpointed)
     print(f"## {heading}, {title}\n\n{model_table(result['variants'], baseline_label, cuda)}\n")
     print(connections_line(result["variants"]) + "\n")
+    if args.activation_checkpointing == "both":
+        print(f"## Activation checkpointing against the same variant without\n\n"
+              f"{checkpointing_table(result['variants'])}\n")
     if len(set(modes.values())) > 1:
         add_blocks_over_model(result["variants"])
         print(f"## Compiled block by block against the whole model\n\n{blocks_table(result['variants'])}\n")

@@ -135,9 +135,25 @@ def test_n_sweep_compares_mhclite_budgets_to_mhc_per_n(tmp_path):
     assert all(r["time_ratio"] > 0 and r["activation_ratio"] > 0 for r in rows.values())
 
 
+@pytest.mark.slow
+def test_checkpointing_rows_keep_less_and_compare_to_the_same_variant_without(tmp_path, capsys):
+    out = tmp_path / "ac.json"
+    bench.main(SMALL_FLAGS + ["--residuals", "res,mhclite", "--recompute", "off", "--activation_checkpointing", "both",
+                              "--json", str(out)])
+    rows = json.loads(out.read_text())["variants"]
+    assert list(rows) == ["res", "res+ac", "mhclite", "mhclite+ac"]
+    assert [r["activation_checkpointing"] for r in rows.values()] == [False, True, False, True]
+    assert rows["res+ac"]["time_ratio"] == 1.0  # the checkpointed rows compare to checkpointed res
+    for name in ("res", "mhclite"):
+        assert rows[name + "+ac"]["saved_activation_bytes"] < rows[name]["saved_activation_bytes"]
+    table = capsys.readouterr().out.split("## Activation checkpointing against the same variant without")[1]
+    assert "| res+ac |" in table and "| mhclite+ac |" in table
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--residuals", "res,foo"], "error: unknown residual 'foo'; valid: res, hc, mhc, mhclite"),
-    (["--size", "XL"], "error: unknown size 'XL'"),
+    (["--size", "XXL"], "error: unknown size 'XXL'"),
+    (["--n_sweep", "3", "--activation_checkpointing", "on"], "error: --activation_checkpointing compares the"),
     (["--steps", "0"], "error: --steps must be >= 1"),
     (["--n_sweep", "6", "--k_sweep", "800"], "error: no mhclite permutation budget K <= 6! = 720"),
     (["--warmup", "-1"], "error: --warmup must be >= 0"),
@@ -152,9 +168,9 @@ def test_bad_input_is_one_error_line(flags, message, tmp_path, capsys):
 
 def test_bench_py_is_the_step_benchmarks_command():
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    result = subprocess.run([sys.executable, "bench.py", "--size", "XL"], cwd=repo, capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "bench.py", "--size", "XXL"], cwd=repo, capture_output=True, text=True)
     assert result.returncode == 2
-    assert_one_error_line(result.stderr, "unknown size 'XL'", alone=True)
+    assert_one_error_line(result.stderr, "unknown size 'XXL'", alone=True)
 
 
 GIB = 2**30

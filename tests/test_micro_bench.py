@@ -47,7 +47,7 @@ def test_main_writes_each_connection_with_ratios_to_res_and_h_res_with_op_counts
 
 @pytest.mark.parametrize("flags, message", [
     (["--residuals", "res,foo"], "error: unknown residual 'foo'; valid: res, hc, mhc, mhclite"),
-    (["--size", "XL"], "error: unknown size 'XL'"),
+    (["--size", "XXL"], "error: unknown size 'XXL'"),
     (["--steps", "0"], "error: --steps must be >= 1"),
     (["--warmup", "-1"], "error: --warmup must be >= 0"),
 ])
