@@ -2,7 +2,7 @@
 (rank 0 writes the model, AdamW's two moments, the RNG states; temp file, fsync, rename), and
 the seconds a resume takes to load it, for each size, on this machine's disk.
 
-    python -m benchmarks.checkpoint_cost --sizes M L --residual mhclite --out_dir /tmp/ckpt_cost
+    python -m benchmarks.checkpoint_cost --sizes M L --residual mhclite --out_dir out/ckpt_cost
 
 The numbers decide --ckpt_interval: a save every k steps costs save_s / k per step, and a lost
 worker costs up to k steps (docs/training.md).
