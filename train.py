@@ -88,7 +88,7 @@ def setup_distributed(cfg):
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if cfg.device == "auto":
         device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
-    elif cfg.device == "cuda" and ddp:
+    elif cfg.device == "cuda":  # set_device needs an index: torchrun's local rank, else the first GPU
         device = torch.device(f"cuda:{local_rank}")
     else:
         device = torch.device(cfg.device)
