@@ -305,6 +305,23 @@ def test_tf32_is_on_while_training_and_restored_after(monkeypatch):
     assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == before
 
 
+@pytest.mark.parametrize("device, local_rank, expected", [("cuda", None, "cuda:0"), ("auto", None, "cuda:0"),
+                                                        ("cuda", "1", "cuda:1"), ("cuda:2", None, "cuda:2")])
+def test_a_cuda_run_in_one_process_gets_an_indexed_device(device, local_rank, expected, monkeypatch):
+    """torch.cuda.set_device refuses a bare 'cuda': one process on a GPU gets cuda:<LOCAL_RANK or 0>
+    (the CUDA calls replaced, so that this runs without a GPU)."""
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: chosen.append(torch.device(d)))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    if local_rank is not None:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+    world = train.setup_distributed(load_config(["--dataset=toy", f"--device={device}"]))
+    assert world.device == torch.device(expected) and chosen == [torch.device(expected)]
+    assert not world.ddp and world.size == 1
+
+
 def test_resume_that_moves_the_schedules_horizon_says_so(data_dir, tmp_path, capsys):
     out = tmp_path / "run"
     train.main(tiny_args(data_dir, out, max_iters=8, eval_interval=4))

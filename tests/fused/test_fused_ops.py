@@ -196,7 +196,7 @@ def opcheck_samples():
         samples[f"connection_post-{x_dtype}"] = (
             connection_post, randn(5, N, 16, seed=0, dtype=x_dtype), randn(5, N, seed=1).requires_grad_(),
             randn(5, N, N, seed=2), randn(5, 16, seed=3, dtype=bf16).requires_grad_(),
-            torch.zeros((), dtype=x_dtype).expand(5, N, 16).requires_grad_())
+            torch.zeros((), dtype=x_dtype, device=DEVICE).expand(5, N, 16).requires_grad_())
         samples[f"connection_post_backward-{x_dtype}"] = (
             connection_post_backward, randn(5, N, 16, seed=0, dtype=x_dtype), randn(5, N, seed=1),
             randn(5, 16, seed=2, dtype=bf16))
