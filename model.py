@@ -362,25 +362,19 @@ class GPT(nn.Module):
 def connection_path(config, connection, device) -> dict:
     """Which code runs `connection` of a model built from config when it runs on `device`, decided
     as Block.connect decides it, from a stream tensor of the dtype the model's forward gives it:
-    {"path": "fused" or "reference", "why": the reason, "not_run_on_gpu": the options this run
-    turns on that no GPU has run yet (docs/benchmarks.md)}."""
-    bf16_streams = config.residual != "res" and config.stream_dtype == "bfloat16"
+    {"path": "fused" or "reference", "why": the reason}."""
     if not config.fused_connections:
-        return dict(path="reference", why="fused_connections=False", not_run_on_gpu=["bf16 streams"] * bf16_streams)
+        return dict(path="reference", why="fused_connections=False")
     import fused
     dtype = STREAM_DTYPES[config.stream_dtype] if config.residual != "res" else torch.float32
     x = torch.empty(0, 1, config.n_streams, config.n_embd, dtype=dtype, device=device)
     reason = fused.unsupported_reason(connection, x)
     if reason is not None:
-        return dict(path="reference", why=f"fused_connections=True but: {reason}",
-                    not_run_on_gpu=["bf16 streams"] * bf16_streams)
+        return dict(path="reference", why=f"fused_connections=True but: {reason}")
     engine = "Triton" if x.device.type == "cuda" else "Triton interpreter"
-    return dict(path="fused", why=f"{engine}, n={config.n_streams}",
-                not_run_on_gpu=["fused kernels"] + ["bf16 streams"] * bf16_streams)
+    return dict(path="fused", why=f"{engine}, n={config.n_streams}")
 
 
 def connection_path_line(residual, path) -> str:
-    """One console line, e.g. `connections: mhclite fused (Triton, n=4); never run on a GPU yet: fused
-    kernels`."""
-    untried = f"; never run on a GPU yet: {', '.join(path['not_run_on_gpu'])}" if path["not_run_on_gpu"] else ""
-    return f"connections: {residual} {path['path']} ({path['why']}){untried}"
+    """One console line, e.g. `connections: mhclite fused (Triton, n=4)`."""
+    return f"connections: {residual} {path['path']} ({path['why']})"

@@ -4,17 +4,17 @@
     python -m benchmarks.gpu_check bench kernels       # some parts (run the others later: same --out)
     python -m benchmarks.gpu_check --device cpu --size tiny   # the CPU dry run at tiny shapes (CI runs it)
 
-Parts, in the order they run, with what each verifies and its minutes on one H100 at M (ESTIMATED
-from an earlier version of the code on an H100 and from CPU runs, not measured):
-  tests    ~10  the CUDA tests (mhclite exact under every matmul precision, compiled = eager for every
+Parts, in the order they run, with what each verifies and its minutes on one H100 at M with cold
+caches (measured, docs/benchmarks.md; the CPU tests of the tests part were not timed there):
+  tests    3+   the CUDA tests (mhclite exact under every matmul precision, compiled = eager for every
                 variant with and without the fused kernels and bf16 streams, the kernels against
                 residuals.py, fused AdamW, the step benchmark's peak memory), then the fast CPU tests
                 here, which also run the kernel tests on this GPU
-  bench    ~8   the step benchmark (python bench.py) at M for res and mhclite: the reference path with and
+  bench    8    the step benchmark (python bench.py) at M for res and mhclite: the reference path with and
                 without recompute, the fused kernels, bf16 streams, and both: time, peak memory, MFU
-  train    ~4   20 steps of train.py per variant at M on random tokens, compiled block by block (the
+  train    4    20 steps of train.py per variant at M on random tokens, compiled block by block (the
                 first step's time is the cold compile); the trained H_res's row and column sums
-  kernels  ~2   each fused kernel alone (python -m benchmarks.kernels): GB/s from the counted bytes per
+  kernels  1    each fused kernel alone (python -m benchmarks.kernels): GB/s from the counted bytes per
                 token against a device-to-device copy, and the backward by its number of grad-W partials
 A failing part does not stop the next. Each part logs to OUT/<part>.log and leaves its JSON in OUT
 (default out/gpu_check); OUT/parts.json remembers every part run into OUT, so the summary printed last
@@ -42,7 +42,7 @@ from residuals import capture_connections
 from .common import fmt
 
 PARTS = ("tests", "bench", "train", "kernels")
-ESTIMATE_MIN = {"tests": 10, "bench": 8, "train": 4, "kernels": 2}  # on one H100 at M: estimated, not measured
+H100_MINUTES = {"tests": "3+", "bench": "8", "train": "4", "kernels": "1"}  # measured at M, cold caches
 VARIANTS = ("res", "hc", "mhc", "mhclite")
 # The step benchmark's runs of the bench part: (name, flags); res stays nanoGPT's in every one.
 BENCH_RUNS = (("reference", []),
@@ -79,8 +79,10 @@ def part_commands(part, args):
     shape = [] if at_m else DRY_RUN
     if part == "tests":
         cpu_tests = ["tests"] if at_m else ["tests/test_gpu_check.py::test_help_says_what_each_part_verifies"]
-        return [("CUDA tests", python("-m", "pytest", "-q", "-m", "cuda", "tests/test_cuda.py"), {}),
-                ("fast CPU tests", python("-m", "pytest", "-q", "-m", "not slow and not cuda", *cpu_tests), {})]
+        workers = ["-n", "4"] if at_m else []  # four test processes share the GPU
+        return [("CUDA tests", python("-m", "pytest", "-q", *workers, "-m", "cuda", "tests/test_cuda.py"), {}),
+                ("fast CPU tests", python("-m", "pytest", "-q", *workers, "-m", "not slow and not cuda", *cpu_tests),
+                 {})]
     if part == "bench":
         return [(f"bench.py, {name}", python("bench.py", "--size", args.size, "--device", args.device,
                                              "--residuals", "res,mhclite", *flags, *shape,
@@ -237,7 +239,7 @@ def summary(args, parts):
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU dry run"
     lines = [f"## GPU check: {name}, torch {torch.__version__} (--device {args.device} --size {args.size}, "
              f"results and logs in {args.out})", "",
-             "| part | status | minutes | estimate min (one H100 at M, not measured) | result |",
+             "| part | status | minutes | minutes on one H100 at M | result |",
              "|---|---|---|---|---|"]
     for part in PARTS:
         if part in parts:
@@ -245,7 +247,7 @@ def summary(args, parts):
             result = results[part]() if os.path.isfile(os.path.join(args.out, f"{part}.log")) else "-"
         else:
             status, seconds, result = "not run", "-", "-"
-        lines.append(f"| {part} | {status} | {seconds} | {ESTIMATE_MIN[part]} | {result} |")
+        lines.append(f"| {part} | {status} | {seconds} | {H100_MINUTES[part]} | {result} |")
     return "\n".join(lines)
 
 

@@ -36,7 +36,7 @@ KERNEL_BYTES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fi
                             "kernel_bytes.json")
 # Program counts of pre_backward (each with its own weight-sized grad-W partial) timed against the
 # default, to choose between fewer partials and more of the GPU busy in the backward.
-PROGRAM_COUNTS = (16, 32, 64, 128)
+PROGRAM_COUNTS = (66, 132, 264, 528)
 
 
 def time_alone(fn, warmup, repeats, device, calls=10):
@@ -108,7 +108,7 @@ def backward_by_programs(args, device):
     grad-W partials) timed with each of PROGRAM_COUNTS pre_backward programs (capped at the token
     blocks), interleaved round by round as the step benchmark's steps."""
     tokens = args.batch_size * args.block_size
-    blocks = -(-tokens // ops.BLOCK_TOKENS)
+    blocks = -(-tokens // ops.TILES["pre_backward_kernel"]["BLOCK_T"])
     counts = sorted({min(programs, blocks) for programs in (*PROGRAM_COUNTS, ops.WEIGHT_GRAD_PROGRAMS)})
     default = min(ops.WEIGHT_GRAD_PROGRAMS, blocks)
     rows, saved = [], ops.WEIGHT_GRAD_PROGRAMS

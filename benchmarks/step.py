@@ -271,12 +271,9 @@ def model_table(summary, baseline_label, cuda):
 
 
 def connections_line(summary):
-    """Which code ran each variant's connections: fused kernels or residuals.py, and why; and the
-    options turned on that no GPU has run yet."""
-    untried = sorted({option for r in summary.values() for option in r["connections"]["not_run_on_gpu"]})
+    """Which code ran each variant's connections: fused kernels or residuals.py, and why."""
     return "connections: " + "; ".join(f"{name} {r['connections']['path']} ({r['connections']['why']})"
-                                       for name, r in summary.items()) + (
-        f"; never run on a GPU yet: {', '.join(untried)}" if untried else "")
+                                       for name, r in summary.items())
 
 
 def checkpointing_table(summary):

@@ -28,12 +28,14 @@ from residuals import RMS_EPS
 STREAMS = 4  # the kernels are written for n = 4 streams
 MIN_SINKHORN_ITERS = 4  # the Sinkhorn backward keeps four checkpoints
 
-# Tile sizes (constexprs): tokens per program (tl.dot needs >= 16) and channels per loop step, and
-# warps of the pre kernels: chosen so that no kernel spills registers on sm_80 or sm_90
-# (python -m fused.tools.resources; docs/benchmarks.md).
-BLOCK_TOKENS = 16
-BLOCK_CHANNELS = 16
-PRE_WARPS = 8
+# Each kernel's tile (constexprs: tokens per program, channels per loop step) and warps: the fastest
+# setting of `python -m benchmarks.kernel_tiles --size M` on an H100 (docs/benchmarks.md) that
+# spills no registers on sm_80 or sm_90 (python -m fused.tools.resources). tl.dot needs 16 or more
+# tokens and channels in the pre kernels.
+TILES = {"pre_kernel": dict(BLOCK_T=64, BLOCK_C=16, num_warps=8),
+         "post_kernel": dict(BLOCK_T=4, BLOCK_C=256, num_warps=4),
+         "post_backward_kernel": dict(BLOCK_T=8, BLOCK_C=128, num_warps=4),
+         "pre_backward_kernel": dict(BLOCK_T=16, BLOCK_C=16, num_warps=8)}
 # No software pipelining in pre_backward: with triton's default stages it spills registers
 # (python -m fused.tools.resources; docs/benchmarks.md).
 PRE_BACKWARD_STAGES = 1
@@ -123,8 +125,7 @@ def _dot_operands(bf16_operands, device):
 def _variant_constexprs(variant, weight, bf16_operands, sinkhorn_iters, device):
     res = 0 if variant == "hc" else weight.shape[0] - 2 * STREAMS
     return dict(VARIANT=variant, RES=res, ITERS=sinkhorn_iters, OPERANDS=_dot_operands(bf16_operands, device),
-                BLOCK_T=BLOCK_TOKENS, BLOCK_C=BLOCK_CHANNELS, RES_BLOCK=max(16, _power_of_two_at_least(res)),
-                num_warps=PRE_WARPS)
+                RES_BLOCK=max(16, _power_of_two_at_least(res)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -160,8 +161,9 @@ def connection_pre(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
     tokens = x.shape[0]
     if tokens > 0:
         perms = perm_matrices.contiguous() if perm_matrices.numel() else weight  # read only by mhclite
-        _launch("pre_kernel", (_cdiv(tokens, BLOCK_TOKENS),), x.device, x, weight.contiguous(), scale, bias, perms,
-                u, h_pre, h_post, h_res, z, rms_inv, tokens, x.shape[2], RMS_EPS,
+        tile = TILES["pre_kernel"]
+        _launch("pre_kernel", (_cdiv(tokens, tile["BLOCK_T"]),), x.device, x, weight.contiguous(), scale, bias, perms,
+                u, h_pre, h_post, h_res, z, rms_inv, tokens, x.shape[2], RMS_EPS, **tile,
                 **_variant_constexprs(variant, weight, bf16_operands, sinkhorn_iters, x.device))
     return outputs
 
@@ -188,7 +190,7 @@ def connection_pre_backward(x: torch.Tensor, grad: torch.Tensor, grad_u: torch.T
     gradient g of its output (grad), grad u and grad h_post (connection_post_backward)."""
     x, grad, grad_u, grad_h_post = (t.contiguous() for t in (x, grad, grad_u, grad_h_post))
     tokens = x.shape[0]
-    programs = min(WEIGHT_GRAD_PROGRAMS, _cdiv(tokens, BLOCK_TOKENS))
+    programs = min(WEIGHT_GRAD_PROGRAMS, _cdiv(tokens, TILES["pre_backward_kernel"]["BLOCK_T"]))
     grad_x = torch.empty_like(x)
     # Every program has a token block (programs <= blocks) and writes its whole slice: no zero fill.
     grad_weight = weight.new_empty((programs, *weight.shape))
@@ -198,7 +200,7 @@ def connection_pre_backward(x: torch.Tensor, grad: torch.Tensor, grad_u: torch.T
         perms = perm_matrices.contiguous() if perm_matrices.numel() else weight
         _launch("pre_backward_kernel", (programs,), x.device, x, grad, grad_u, grad_h_post, weight.contiguous(),
                 scale, bias, perms, z, rms_inv, grad_x, grad_weight, grad_scale, grad_bias, tokens, x.shape[2],
-                num_stages=PRE_BACKWARD_STAGES,
+                num_stages=PRE_BACKWARD_STAGES, **TILES["pre_backward_kernel"],
                 **_variant_constexprs(variant, weight, bf16_operands, sinkhorn_iters, x.device))
     return grad_x, grad_weight.sum(0), grad_scale.sum(0).view(scale.shape), grad_bias.sum(0).view(bias.shape)
 
@@ -244,8 +246,9 @@ def connection_post(x: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor, 
     tokens, n, c = x.shape
     out = torch.empty_like(x)
     if tokens > 0 and c > 0:
-        _launch("post_kernel", (_cdiv(tokens, BLOCK_TOKENS), _cdiv(c, BLOCK_CHANNELS)), x.device,
-                x, h_post, h_res, y, out, tokens, c, BLOCK_T=BLOCK_TOKENS, BLOCK_C=BLOCK_CHANNELS)
+        tile = TILES["post_kernel"]
+        _launch("post_kernel", (_cdiv(tokens, tile["BLOCK_T"]), _cdiv(c, tile["BLOCK_C"])), x.device,
+                x, h_post, h_res, y, out, tokens, c, **tile)
     return out
 
 
@@ -263,8 +266,9 @@ def connection_post_backward(grad: torch.Tensor, h_post: torch.Tensor,
     grad_y = torch.empty_like(y)
     grad_h_post = torch.empty_like(h_post)
     if tokens > 0:
-        _launch("post_backward_kernel", (_cdiv(tokens, BLOCK_TOKENS),), grad.device, grad, h_post, y, grad_y,
-                grad_h_post, tokens, c, BLOCK_T=BLOCK_TOKENS, BLOCK_C=BLOCK_CHANNELS)
+        tile = TILES["post_backward_kernel"]
+        _launch("post_backward_kernel", (_cdiv(tokens, tile["BLOCK_T"]),), grad.device, grad, h_post, y, grad_y,
+                grad_h_post, tokens, c, **tile)
     return grad_y, grad_h_post
 
 

@@ -39,8 +39,9 @@ from residuals import RESIDUALS  # noqa: E402
 VARIANTS = ("hc", "mhc", "mhclite")
 STREAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 N_STREAMS, WIDTH = 4, 768
-# Two and three blocks of BLOCK_TOKENS tokens: the one backward program re-reads its grad-W partial at both.
+# Two and three blocks of COUNTING_BLOCK_T tokens: the one backward program re-reads its grad-W partial at both.
 TOKEN_COUNTS = (32, 48)
+COUNTING_BLOCK_T = 16
 M_TOKENS = 16 * 1024  # tokens per micro-step at M (16 x 1024), for the grad-W partials per token
 PARTIAL_TOKENS = 64  # four blocks: with one or two programs, each has a later block that adds to its partial
 ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
@@ -195,10 +196,11 @@ def counting_setup(programs=1):
     """The interpreter for CPU tensors; `programs` backward programs (one: the partials of grad W have
     the same size at both token counts, and how many there are does not change bytes per token); one
     channel block over all of C, for the fewest interpreted loop trips (each address counts once
-    whatever the tiles)."""
+    whatever the tiles), and COUNTING_BLOCK_T tokens per program in every kernel."""
     fix_scalar_index()
-    settings = [(fused, "INTERPRET_ON_CPU", True), (ops, "WEIGHT_GRAD_PROGRAMS", programs),
-                (ops, "BLOCK_CHANNELS", 1 << (WIDTH - 1).bit_length())]
+    tiles = {kernel: dict(tile, BLOCK_T=COUNTING_BLOCK_T, BLOCK_C=1 << (WIDTH - 1).bit_length())
+             for kernel, tile in ops.TILES.items()}
+    settings = [(fused, "INTERPRET_ON_CPU", True), (ops, "WEIGHT_GRAD_PROGRAMS", programs), (ops, "TILES", tiles)]
     saved = [getattr(module, name) for module, name, _ in settings]
     for module, name, value in settings:
         setattr(module, name, value)
@@ -225,7 +227,7 @@ def partial_bytes(residual, stream_dtype):
 
 def partials_per_token_at_m(residual, stream_dtype):
     """Bytes per token of the partials at M's tokens per micro-step, with the model's programs."""
-    programs = min(ops.WEIGHT_GRAD_PROGRAMS, M_TOKENS // ops.BLOCK_TOKENS)
+    programs = min(ops.WEIGHT_GRAD_PROGRAMS, M_TOKENS // ops.TILES["pre_backward_kernel"]["BLOCK_T"])
     return programs * partial_bytes(residual, stream_dtype) / M_TOKENS
 
 

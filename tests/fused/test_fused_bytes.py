@@ -113,7 +113,7 @@ def test_grad_weight_partials_are_written_re_read_and_summed_once(counts, residu
     at M's tokens per micro-step that is partials_at_m."""
     module = RESIDUALS[residual](count_bytes.WIDTH, count_bytes.N_STREAMS, 1)
     _, weight, scale, bias, _, _ = fused.packed_parameters(module)
-    programs = min(ops.WEIGHT_GRAD_PROGRAMS, count_bytes.M_TOKENS // ops.BLOCK_TOKENS)
+    programs = min(ops.WEIGHT_GRAD_PROGRAMS, count_bytes.M_TOKENS // ops.TILES["pre_backward_kernel"]["BLOCK_T"])
     one_program = ops.partial_bytes_per_program(weight, scale, bias)
     assert one_program == 3 * weight.numel() * 4 + 2 * (scale.numel() + bias.numel()) * 4
     for stream_dtype in count_bytes.STREAM_DTYPES:

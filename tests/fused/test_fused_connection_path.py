@@ -60,12 +60,10 @@ def test_connection_path_line(fused_on, residual):
 @needs_triton
 @pytest.mark.parametrize("stream_dtype, interpret, expected", [
     ("float32", False, "connections: mhclite reference (fused_connections=True but: {reason})"),
-    ("bfloat16", False, "connections: mhclite reference (fused_connections=True but: {reason}); never run on a "
-                        "GPU yet: bf16 streams"),
-    ("bfloat16", True, "connections: mhclite fused (Triton interpreter, n=4); never run on a GPU yet: fused kernels, "
-                       "bf16 streams")])
-def test_connection_path_line_names_what_no_gpu_has_run(stream_dtype, interpret, expected, monkeypatch):
-    """train.py's connections line says so when a run turns on the fused kernels or bf16 streams."""
+    ("bfloat16", False, "connections: mhclite reference (fused_connections=True but: {reason})"),
+    ("bfloat16", True, "connections: mhclite fused (Triton interpreter, n=4)")])
+def test_connection_path_line_names_the_path_and_why(stream_dtype, interpret, expected, monkeypatch):
+    """train.py's connections line: the fused kernels or residuals.py, and why."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(fused, "INTERPRET_ON_CPU", interpret)
     model = GPT(GPTConfig(**TINY, residual="mhclite", fused_connections=True, stream_dtype=stream_dtype))

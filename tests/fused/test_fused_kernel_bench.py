@@ -9,6 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from benchmarks import kernel_tiles  # noqa: E402
 from benchmarks import kernels as bench_kernels  # noqa: E402
 from benchmarks import step  # noqa: E402
 from conftest import one_error_line  # noqa: E402
@@ -88,6 +89,7 @@ def test_the_backward_is_timed_with_each_program_count_capped_at_the_token_block
     """48 tokens are three blocks: program counts 1, 2 and 3 (every larger one capped at 3, the
     default's row), each with its partials' bytes, and the module's program count restored."""
     monkeypatch.setattr(bench_kernels, "PROGRAM_COUNTS", (1, 2, 16))
+    monkeypatch.setitem(ops.TILES, "pre_backward_kernel", dict(ops.TILES["pre_backward_kernel"], BLOCK_T=16))
     args = bench_kernels.resolve(bench_kernels.parse_args(
         ["--size", "tiny", "--device", DEVICE, "--batch_size", "1", "--block_size", "48", "--steps", "1",
          "--warmup", "0", "--residuals", "hc", "--dtype", "float32"]))
@@ -134,3 +136,31 @@ def test_kernels_bad_settings_give_one_error_line(flags, interpret, message, mon
                                                ("--compile_time", "python -m benchmarks.compile_time")])
 def test_bench_flags_that_moved_name_their_command(flag, replacement, capsys):
     assert replacement in one_error_line(step.main, ["--size", "tiny", flag], capsys)
+
+
+def test_kernel_tiles_checks_each_setting_against_the_shipped_one_then_times_it(tmp_path, capsys):
+    """python -m benchmarks.kernel_tiles: the shipped setting first (x 1), every other setting run
+    into NaN-poisoned outputs and timed only when its outputs match the shipped one's."""
+    out = tmp_path / "tiles.json"
+    kernel_tiles.main(FLAGS + ["--residuals", "mhclite", "--dtype", "float32", "--stream_dtypes", "float32",
+                               "--kernels", "post_kernel,post_backward_kernel", "--quick", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    for kernel in ("post_kernel", "post_backward_kernel"):
+        settings = [r["setting"] for r in rows if r["kernel"] == kernel]
+        assert settings[0] == kernel_tiles.shipped_setting(next(
+            launch for launch in connection_launches("mhclite", "float32", False, 128, 1, 4, DEVICE, run=False)
+            if launch.kernel == kernel))
+        assert len(settings) == len({str(s) for s in settings}) == 1 + len(kernel_tiles.settings_of(
+            kernel, kernel_tiles.QUICK)) - (settings[0] in kernel_tiles.settings_of(kernel, kernel_tiles.QUICK))
+    assert all(r["error"] <= 1 and r["ms"] > 0 for r in rows)
+    assert [r["x_shipped"] for r in rows if r.get("shipped")] == [1.0, 1.0]
+    assert "| mhclite | float32 | post |" in capsys.readouterr().out
+
+
+def test_kernel_tiles_fails_an_unwritten_or_wrong_output():
+    reference = {"out_ptr": torch.ones(4, 8)}
+    assert kernel_tiles.relative_error({"out_ptr": torch.ones(4, 8)}, reference) == 0
+    unwritten = torch.ones(4, 8)
+    unwritten[3, 7] = float("nan")
+    assert kernel_tiles.relative_error({"out_ptr": unwritten}, reference) == float("inf")
+    assert kernel_tiles.relative_error({"out_ptr": torch.ones(4, 8) * (1 + 1e-3)}, reference) > 1

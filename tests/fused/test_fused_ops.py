@@ -37,9 +37,10 @@ def interpret_on_cpu(monkeypatch):
 
 @pytest.fixture
 def small_blocks(monkeypatch):
-    """16-wide channel tiles and two backward programs, so that the test sizes need several programs,
+    """16-token, 16-channel tiles and two backward programs, so that the test sizes need several programs,
     loop trips, a program with two token blocks and masked tails (tokens and channels)."""
-    monkeypatch.setattr(ops, "BLOCK_CHANNELS", 16)
+    for kernel, tile in ops.TILES.items():
+        monkeypatch.setitem(ops.TILES, kernel, dict(tile, BLOCK_T=16, BLOCK_C=16))
     monkeypatch.setattr(ops, "WEIGHT_GRAD_PROGRAMS", 2)
 
 
