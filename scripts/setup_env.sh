@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
 # Installs the requirements into the current Python environment, or into a .venv it creates when
 # the current one cannot take packages (externally managed or without pip). Prints the Python to use.
+# With SETUP_ENV_PYTHON set, installs nothing and prints it (tests that run the scripts set it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+if [ -n "${SETUP_ENV_PYTHON:-}" ]; then
+    echo "$SETUP_ENV_PYTHON"
+    exit 0
+fi
 PYTHON=${PYTHON:-python3}
 can_install() {
     "$1" -m pip --version >/dev/null 2>&1 && "$1" - <<'PY'

@@ -8,10 +8,15 @@ import os
 import random
 from pathlib import Path
 
-import numpy as np
-import pytest
-import torch
+# One thread per process, here and in every subprocess a test starts: pytest-xdist runs a worker per
+# core, and a second thread per worker makes torch's tiny ops wait on a busy core (several times slower).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 # Tests never touch the network and never need wandb.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -55,13 +60,15 @@ SHARED_FIXTURES = ("hellaswag_runs", "runs", "run_dirs", "study", "counts")
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     """Everything under tests/fused/ is marked `fused` (pytest -m fused runs the kernels' tests alone);
-    the tests of each of SHARED_FIXTURES form one xdist group."""
+    the tests of each of SHARED_FIXTURES form one xdist group, one per definition (test_sharded.py's
+    and test_analysis.py's `runs` are two fixtures, built on two workers)."""
     for item in items:
         if str(item.path).startswith(FUSED_TESTS + os.sep):
             item.add_marker(pytest.mark.fused)
         shared = next((name for name in SHARED_FIXTURES if name in item.fixturenames), None)
         if shared:
-            item.add_marker(pytest.mark.xdist_group(shared))
+            definition = item._fixtureinfo.name2fixturedefs[shared][-1]  # the one this test gets
+            item.add_marker(pytest.mark.xdist_group(f"{definition.baseid}::{shared}"))
 
 
 @pytest.fixture(scope="module")
