@@ -12,6 +12,7 @@ the check. pre_backward is timed with the sum of its grad-W partials, which its 
 
 import argparse
 import itertools
+import os
 import sys
 
 import torch
@@ -21,8 +22,8 @@ from fused.tools.launches import connection_launches
 from model import STREAM_DTYPES
 
 from .common import BenchError, add_shared_flag, environment, fmt, markdown_table, resolve_shared_flags, write_json
+from .kernels import DRY_RUN_NOTE, time_alone
 from .kernels import resolve as resolve_kernel_flags
-from .kernels import time_alone
 
 # The settings tried per kernel: tl.dot needs 16 or more tokens and channels in the pre kernels.
 SWEEP = {
@@ -171,6 +172,7 @@ def parse_args(argv):
 
 
 def resolve(args):
+    default_json = args.json is None
     resolve_kernel_flags(args)
     args.stream_dtypes = [d.strip() for d in args.stream_dtypes.split(",") if d.strip()]
     args.kernel_list = [k.strip() for k in args.kernels.split(",") if k.strip()]
@@ -178,8 +180,8 @@ def resolve(args):
         raise BenchError(f"--stream_dtypes must name some of {', '.join(STREAM_DTYPES)}, got '{args.stream_dtypes}'")
     if not args.kernel_list or any(k not in SWEEP for k in args.kernel_list):
         raise BenchError(f"--kernels must name some of {', '.join(SWEEP)}, got '{args.kernels}'")
-    if args.json.endswith("-kernels.json"):
-        args.json = args.json.removesuffix("-kernels.json") + "-kernel-tiles.json"
+    if default_json:
+        args.json = os.path.join("out", "bench", f"{args.size}-{args.device_type}-kernel-tiles.json")
     return args
 
 
@@ -194,7 +196,7 @@ def main(argv=None):
     except BenchError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    dry_run = "" if device.type == "cuda" else ", CPU DRY RUN in Triton's interpreter: the times are not GPU times"
+    dry_run = "" if device.type == "cuda" else DRY_RUN_NOTE
     print(f"\n## Kernel settings, {result['tokens']} tokens, C = {result['width']}, autocast {args.dtype}, "
           f"{result['device_name']}, median of {args.steps} after {args.warmup} warm-up{dry_run}\n\n"
           f"{best_table(result['rows'])}\n")

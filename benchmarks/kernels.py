@@ -37,6 +37,7 @@ KERNEL_BYTES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 # Program counts of pre_backward (each with its own weight-sized grad-W partial) timed against the
 # default, to choose between fewer partials and more of the GPU busy in the backward.
 PROGRAM_COUNTS = (66, 132, 264, 528)
+DRY_RUN_NOTE = ", CPU DRY RUN in Triton's interpreter: the times are not GPU times"
 
 
 def time_alone(fn, warmup, repeats, device, calls=10):
@@ -197,7 +198,7 @@ def main(argv=None):
     except BenchError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    dry_run = "" if device.type == "cuda" else ", CPU DRY RUN in Triton's interpreter: the times are not GPU times"
+    dry_run = "" if device.type == "cuda" else DRY_RUN_NOTE
     print(f"## Fused connection kernels alone, {args.batch_size} x {args.block_size} tokens, n = "
           f"{GPTConfig.n_streams}, C = {args.shape['n_embd']}, autocast {args.dtype}, {result['device_name']}, "
           f"median of {args.steps} after {args.warmup} warm-up{dry_run}\n\n{kernel_table(result['kernels'])}\n")
