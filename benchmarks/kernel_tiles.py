@@ -21,7 +21,7 @@ from fused import ops
 from fused.tools.launches import connection_launches
 from model import STREAM_DTYPES
 
-from .common import BenchError, add_shared_flag, environment, fmt, markdown_table, resolve_shared_flags, write_json
+from .common import BenchError, add_shared_flag, environment, fmt, markdown_table, write_json
 from .kernels import DRY_RUN_NOTE, time_alone
 from .kernels import resolve as resolve_kernel_flags
 
