@@ -159,10 +159,12 @@ def assert_one_error_line(stderr, *words, alone=False):
     return lines[0]
 
 
-def one_error_line(main, argv, capsys):
-    """Runs a command line's main(argv), which must exit with code 2 after printing exactly one
-    stderr line, `error: ...`, and no traceback; returns that line."""
+def one_error_line(main, argv, capsys, *words, alone=True):
+    """Runs a command line's main(argv) in this process, which must exit with code 2 after printing
+    exactly one stderr line, `error: ...`, naming every one of words, and no traceback (alone: and
+    nothing else; otherwise progress lines may come before it); returns that line. Each command's
+    entry point is run as a process by another test."""
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2
-    return assert_one_error_line(capsys.readouterr().err, alone=True)
+    return assert_one_error_line(capsys.readouterr().err, *words, alone=alone)

@@ -10,7 +10,7 @@ import torch
 
 from analysis import hellaswag
 from checkpoint import load_model
-from conftest import HELLASWAG_FIXTURE, assert_one_error_line
+from conftest import HELLASWAG_FIXTURE, one_error_line
 import sample
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -79,7 +79,7 @@ def test_the_command_writes_the_results_into_the_run_directory(hellaswag_runs):
     assert "acc_norm" in result.stdout and str(hellaswag_runs["hc"]) in result.stdout
 
 
-def test_bad_input_is_one_error_line(hellaswag_runs, tmp_path):
+def test_bad_input_is_one_error_line(hellaswag_runs, tmp_path, capsys):
     no_label = tmp_path / "items.jsonl"
     no_label.write_text(json.dumps(dict(activity_label="a", ctx_a="b", ctx_b="c", endings=["d"])) + "\n")
     cases = [(["--out_dir=" + str(tmp_path / "missing"), f"--data={HELLASWAG_FIXTURE}"], "no run directory"),
@@ -87,9 +87,7 @@ def test_bad_input_is_one_error_line(hellaswag_runs, tmp_path):
              ([f"--out_dir={hellaswag_runs['res']}", f"--data={tmp_path / 'none.jsonl'}"], "no data file"),
              ([f"--out_dir={hellaswag_runs['res']}", "--limit=0"], "--limit must be >= 1")]
     for args, message in cases:
-        result = run_cli(*args)
-        assert result.returncode == 2, result.stderr
-        assert_one_error_line(result.stderr, message, alone=True)
+        one_error_line(hellaswag.main, args, capsys, message)
 
 
 def test_json_and_parquet_files_give_the_items_of_the_jsonl(tmp_path):

@@ -15,7 +15,7 @@ import export_hf
 import sample
 from analysis import hellaswag
 from checkpoint import load_model
-from conftest import FIXTURE_RUNS, HELLASWAG_FIXTURE, assert_one_error_line
+from conftest import FIXTURE_RUNS, HELLASWAG_FIXTURE, one_error_line
 from model import GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -164,7 +164,7 @@ def run_cli(*args):
     return subprocess.run([sys.executable, "export_hf.py", *args], capture_output=True, text=True)
 
 
-def test_an_existing_folder_needs_force_and_bad_input_is_one_error_line(hellaswag_runs, exports, tmp_path):
+def test_an_existing_folder_needs_force_and_bad_input_is_one_error_line(hellaswag_runs, exports, tmp_path, capsys):
     import shutil
 
     earlier, other = tmp_path / "earlier", tmp_path / "other"
@@ -177,9 +177,7 @@ def test_an_existing_folder_needs_force_and_bad_input_is_one_error_line(hellaswa
                           ([run, f"--export_dir={other}", "--force"], "holds no earlier export"),
                           ([f"--out_dir={tmp_path / 'missing'}", f"--export_dir={tmp_path / 'new'}"],
                            "no run directory")):
-        result = run_cli(*args)
-        assert result.returncode == 2, result.stderr
-        assert_one_error_line(result.stderr, message, alone=True)
+        one_error_line(export_hf.main, args, capsys, message)
     assert "keep.txt" in os.listdir(earlier) and os.listdir(other) == ["notes.txt"]
     result = run_cli(run, f"--export_dir={earlier}", "--force")
     assert result.returncode == 0, result.stderr

@@ -16,7 +16,7 @@ import torch
 import train
 from checkpoint import CheckpointError, load_checkpoint, load_model, save_checkpoint
 from config import REPO_DIR, load_config
-from conftest import assert_one_error_line
+from conftest import assert_one_error_line, one_error_line
 
 TRAIN_KEYS = {"step", "train_loss", "lr", "grad_norm", "tokens_per_s", "step_ms", "mfu"}
 EVAL_KEYS = {"step", "eval_train_loss", "val_loss"}
@@ -348,17 +348,15 @@ def test_resume_that_moves_the_schedules_horizon_says_so(data_dir, tmp_path, cap
 
 
 @pytest.mark.slow
-def test_resume_errors_are_one_line(data_dir, tmp_path):
+def test_resume_errors_are_one_line(data_dir, tmp_path, capsys):
     out = tmp_path / "run"
     train.main(tiny_args(data_dir, out, residual="hc", max_iters=2, eval_interval=2))
+    capsys.readouterr()
 
-    proc = run_cli(tiny_args(data_dir, out, residual="mhc", init_from="resume"))
-    assert proc.returncode == 2
-    assert_one_error_line(proc.stderr, "residual=hc", "residual=mhc")
-
-    proc = run_cli(tiny_args(data_dir, out, residual="hc"))  # from scratch over a finished run
-    assert proc.returncode == 2
-    assert_one_error_line(proc.stderr, "--init_from=resume")
+    one_error_line(train.main, tiny_args(data_dir, out, residual="mhc", init_from="resume"), capsys,
+                   "residual=hc", "residual=mhc", alone=False)
+    # from scratch over a finished run
+    one_error_line(train.main, tiny_args(data_dir, out, residual="hc"), capsys, "--init_from=resume", alone=False)
 
     truncated = tmp_path / "truncated"
     truncated.mkdir()
@@ -366,9 +364,8 @@ def test_resume_errors_are_one_line(data_dir, tmp_path):
     (truncated / "ckpt.pt").write_bytes(data[:len(data) // 2])
     with pytest.raises(CheckpointError, match="truncated, corrupt or not a checkpoint"):
         load_checkpoint(str(truncated / "ckpt.pt"))
-    proc = run_cli(tiny_args(data_dir, truncated, residual="hc", init_from="resume"))
-    assert proc.returncode == 2
-    assert_one_error_line(proc.stderr, "truncated, corrupt or not a checkpoint")
+    one_error_line(train.main, tiny_args(data_dir, truncated, residual="hc", init_from="resume"), capsys,
+                   "truncated, corrupt or not a checkpoint", alone=False)
 
 
 def test_missing_data_names_the_prepare_script(tmp_path, capsys):
@@ -378,10 +375,9 @@ def test_missing_data_names_the_prepare_script(tmp_path, capsys):
     assert_one_error_line(capsys.readouterr().err, "missing data file", "prepare_shakespeare.py --tokenizer char")
 
 
-def test_corpus_smaller_than_one_block_is_one_line(data_dir, tmp_path):
-    proc = run_cli(tiny_args(data_dir, tmp_path / "out", block_size=4096))
-    assert proc.returncode == 2
-    assert_one_error_line(proc.stderr, "fewer than block_size + 1 = 4097")
+def test_corpus_smaller_than_one_block_is_one_line(data_dir, tmp_path, capsys):
+    one_error_line(train.main, tiny_args(data_dir, tmp_path / "out", block_size=4096), capsys,
+                   "fewer than block_size + 1 = 4097", alone=False)
     assert not (tmp_path / "out").exists()
 
 
