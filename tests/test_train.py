@@ -369,10 +369,8 @@ def test_resume_errors_are_one_line(data_dir, tmp_path, capsys):
 
 
 def test_missing_data_names_the_prepare_script(tmp_path, capsys):
-    with pytest.raises(SystemExit) as info:
-        train.main(tiny_args(tmp_path, tmp_path / "out", dataset="shakespeare_char"))
-    assert info.value.code == 2
-    assert_one_error_line(capsys.readouterr().err, "missing data file", "prepare_shakespeare.py --tokenizer char")
+    one_error_line(train.main, tiny_args(tmp_path, tmp_path / "out", dataset="shakespeare_char"), capsys,
+                   "missing data file", "prepare_shakespeare.py --tokenizer char", alone=False)
 
 
 def test_corpus_smaller_than_one_block_is_one_line(data_dir, tmp_path, capsys):
