@@ -112,7 +112,7 @@ class TrainConfig:
     recompute_connections: bool = False
     activation_checkpointing: bool = False  # recompute each block's forward in backward (parallelize.apply_ac)
     stream_dtype: str = "float32"  # the HC family's n streams stored in float32 or bfloat16
-    fused_connections: bool = False  # Triton kernels for the HC family on CUDA; opt-in until measured on a GPU
+    fused_connections: bool = False  # Triton kernels for the HC family on CUDA; opt-in: slower than the reference path so far
     # the paper as written (defaults) or as the authors' code ran it (configs/authors.py, docs/faithfulness.md)
     final_norm: str = "after_sum"  # final LayerNorm after the stream sum, or "per_stream": on each, then the sum
     rms_eps: float = RMS_EPS  # inside the connections' RMS root; 0: F.normalize, the authors'

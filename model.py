@@ -113,7 +113,7 @@ class GPTConfig:
     sinkhorn_iters: int = 20
     recompute_connections: bool = False
     stream_dtype: str = "float32"  # storage of the HC family's n streams: float32 or bfloat16
-    fused_connections: bool = False  # Triton kernels for the HC family on CUDA; opt-in until measured on a GPU
+    fused_connections: bool = False  # Triton kernels for the HC family on CUDA; opt-in: slower than the reference path so far
     # The paper as written (defaults) or as the authors' code runs it (the other value; authors.py):
     final_norm: str = "after_sum"  # final LayerNorm after the stream sum, or on each stream then the sum
     rms_eps: float = RMS_EPS  # inside the connections' RMS root; 0 = F.normalize (the authors')
