@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import functools
 import io
 import os
 import pathlib
@@ -30,14 +31,11 @@ import warnings
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import metadata as dcp_metadata
-from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from model import GPT, GPTConfig
+
+# torch.distributed.checkpoint (DCP) is imported in the functions of sharded checkpoints only: it is
+# slow to import, and sampling, export, analysis and unsharded runs all import this module.
 
 REQUIRED_KEYS = ("model", "model_args", "config", "step")
 SHARDED_NAME = "ckpt.dcp"  # the link to the newest complete sharded checkpoint in an out_dir
@@ -308,6 +306,9 @@ def save_sharded(path, model, optimizer, run_state):
     complete checkpoint; the next save removes what the failed one wrote. The caller syncs the
     ranks after it (train.py shares every rank's outcome), so that none goes on before the link
     names the new checkpoint or a failure is known to all."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_state_dict
     out_dir = os.path.dirname(os.path.abspath(path))
     names = [_fresh_folder_name(out_dir, run_state["step"]) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(names)
@@ -400,6 +401,10 @@ def load_sharded(path, model, optimizer=None):
     """Read the weights (and the optimizer state, if given) of the sharded checkpoint folder `path`
     into model: one sharded by parallelize.apply_fsdp on any number of ranks (DCP reshards), or a
     plain GPT in one process. Raises CheckpointError with one line."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    reader, planner = _safe_reader_and_planner()
     plain = not any(hasattr(p, "device_mesh") for p in model.parameters())
     if plain:
         # the scalars were saved as the 1-element vectors apply_fsdp made of them: views share storage
@@ -410,7 +415,7 @@ def load_sharded(path, model, optimizer=None):
     try:
         with warnings.catch_warnings():  # DCP warns that one process reads it, which is what we ask for
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(),
+            dcp.load(state, storage_reader=reader(path), planner=planner(),
                      no_dist=not dist.is_initialized())
     except (Exception, CheckpointException) as e:
         reason = first_failure(e) if isinstance(e, CheckpointException) else one_line(e)
@@ -423,15 +428,18 @@ def load_sharded(path, model, optimizer=None):
         set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
 
 
-# The classes a DCP .metadata file is built from (torch 2.13), and nothing else.
-METADATA_CLASSES = {
-    ("torch.distributed.checkpoint.metadata", name): getattr(dcp_metadata, name)
-    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                 "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
-}
-METADATA_CLASSES.update({("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
-                         ("torch", "Size"): torch.Size, ("torch.serialization", "_get_layout"):
-                         torch.serialization._get_layout, ("pathlib", "PosixPath"): pathlib.PosixPath})
+@functools.cache
+def metadata_classes():
+    """The classes a DCP .metadata file is built from (torch 2.13), and nothing else."""
+    from torch.distributed.checkpoint import metadata
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    classes = {("torch.distributed.checkpoint.metadata", name): getattr(metadata, name)
+               for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                            "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")}
+    classes.update({("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+                    ("torch", "Size"): torch.Size, ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+                    ("pathlib", "PosixPath"): pathlib.PosixPath})
+    return classes
 
 
 class MetadataUnpickler(pickle.Unpickler):
@@ -439,39 +447,45 @@ class MetadataUnpickler(pickle.Unpickler):
     every other global, so a crafted .metadata cannot run code."""
 
     def find_class(self, module, name):
-        if (module, name) in METADATA_CLASSES:
-            return METADATA_CLASSES[(module, name)]
+        if (module, name) in metadata_classes():
+            return metadata_classes()[(module, name)]
         value = getattr(torch, name, None) if module == "torch" else None
         if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
             return value
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
 
 
-class SafeFileSystemReader(dcp.FileSystemReader):
-    """FileSystemReader whose metadata is read with MetadataUnpickler instead of pickle.load (the
-    tensors it reads already go through torch.load(weights_only=True))."""
+@functools.cache
+def _safe_reader_and_planner():
+    """DCP's FileSystemReader and DefaultLoadPlanner made safe, as (reader class, planner class):
+    the reader reads the pickled metadata with MetadataUnpickler instead of pickle.load (the tensors
+    it reads already go through torch.load(weights_only=True)); the planner loads the non-tensor
+    items (the optimizer's settings) with torch.load(weights_only=True) instead of a plain
+    unpickling. Built on first use, as DCP is imported then."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import metadata as dcp_metadata
+    from torch.distributed.checkpoint._traverse import set_element
 
-    def read_metadata(self, *args, **kwargs):
-        with open(os.path.join(self.path, ".metadata"), "rb") as f:
-            metadata = MetadataUnpickler(io.BytesIO(f.read())).load()
-        if not isinstance(metadata, dcp_metadata.Metadata):
-            raise pickle.UnpicklingError("the .metadata file holds no DCP Metadata")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = dcp_metadata.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+    class SafeFileSystemReader(dcp.FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            with open(os.path.join(self.path, ".metadata"), "rb") as f:
+                metadata = MetadataUnpickler(io.BytesIO(f.read())).load()
+            if not isinstance(metadata, dcp_metadata.Metadata):
+                raise pickle.UnpicklingError("the .metadata file holds no DCP Metadata")
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = dcp_metadata.StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
 
+    class SafeLoadPlanner(dcp.DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):
+            loaded = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = loaded
 
-class SafeLoadPlanner(dcp.DefaultLoadPlanner):
-    """DefaultLoadPlanner that loads the non-tensor items (the optimizer's settings) with
-    torch.load(weights_only=True) instead of a plain unpickling."""
-
-    def load_bytes(self, read_item, value):
-        loaded = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = loaded
+    return SafeFileSystemReader, SafeLoadPlanner
 
 
 def write_single_file(sharded, path):

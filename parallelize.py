@@ -8,8 +8,6 @@ copies stays a plain nn.Module.
 import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Shard
 
 
 def apply_ac(model):
@@ -36,6 +34,9 @@ def apply_fsdp(model, compute_dtype=torch.float32):
     their GEMMs anyway, so the arithmetic is autocast's: the connections, the LayerNorms, the
     embeddings and the residual stream keep their float32 parameters and paths, and mhclite's H_res
     stays doubly stochastic to float32 rounding. FSDP casts no activations (cast_forward_inputs off)."""
+    # Imported here: FSDP and DTensor are slow to import, and most runs shard nothing.
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Shard
     keep_fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
                                      cast_forward_inputs=False)
     gemm_weights = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32,

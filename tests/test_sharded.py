@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import checkpoint
@@ -278,7 +279,7 @@ def test_a_failed_or_killed_save_keeps_the_previous_checkpoint(process_group, tm
         with pytest.raises(OSError):
             save_sharded(link, model, optimizer, run_state(2))
     with monkeypatch.context() as mp:
-        mp.setattr(checkpoint.dcp.FileSystemWriter, "write_data", disk_full)  # fails while writing shards
+        mp.setattr(dcp.FileSystemWriter, "write_data", disk_full)  # fails while writing shards
         with pytest.raises(OSError, match="No space left"):
             save_sharded(link, model, optimizer, run_state(3))
     # a save killed mid-way leaves a folder of shards and no index
@@ -302,7 +303,7 @@ def test_a_failed_sharded_save_exits_3_with_one_line_and_the_run_resumes(runs, d
     from it to the uninterrupted sharded run's trajectory, here with activation checkpointing,
     which shards and computes the same."""
     out = tmp_path / "run"
-    real_write, writes = checkpoint.dcp.FileSystemWriter.write_data, []
+    real_write, writes = dcp.FileSystemWriter.write_data, []
 
     def write_data(self, *args, **kwargs):
         writes.append(self)
@@ -310,7 +311,7 @@ def test_a_failed_sharded_save_exits_3_with_one_line_and_the_run_resumes(runs, d
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real_write(self, *args, **kwargs)
 
-    monkeypatch.setattr(checkpoint.dcp.FileSystemWriter, "write_data", write_data)
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", write_data)
     args = tiny_args(data_dir, out, residual="mhclite", parallel="fsdp", init_from="auto", **SHARED)
     with one_process_world(), pytest.raises(SystemExit) as info:
         train.main(args)
