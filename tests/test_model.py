@@ -188,10 +188,11 @@ def test_no_graph_breaks_under_dynamo(residual):
 @pytest.mark.parametrize("residual", ["hc", "mhc", "mhclite"])
 def test_compiled_graph_matches_eager(residual):
     """AOTAutograd traces the custom backward and mhc's reused Sinkhorn region like inductor does;
-    the traced forward and backward must compute what eager computes."""
+    the traced forward and backward must compute what eager computes. mhc at three Sinkhorn
+    iterations: the same ops as twenty, in a sixth of the graph."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = GPT(tiny(residual))
+    model = GPT(tiny(residual, sinkhorn_iters=3))
     results = []
     for run in (model, torch.compile(model, backend="aot_eager", fullgraph=True)):
         model.zero_grad(set_to_none=True)
@@ -247,10 +248,10 @@ def test_res_ignores_stream_dtype():
 def test_compiled_graph_matches_eager_under_autocast_with_bfloat16_streams(residual):
     """The bf16 projection GEMM (autocast's dtype read inside the connection) and bf16 streams
     trace without graph breaks and compute what eager computes. Connection parameters are moved
-    off their init, where many of their gradients are zero."""
+    off their init, where many of their gradients are zero. mhc at three Sinkhorn iterations, as above."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = GPT(tiny(residual, stream_dtype="bfloat16"))
+    model = GPT(tiny(residual, stream_dtype="bfloat16", sinkhorn_iters=3))
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in (p for m in model.connections() for p in m.parameters()):
