@@ -437,7 +437,8 @@ def metadata_classes():
                for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
                             "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")}
     classes.update({("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
-                    ("torch", "Size"): torch.Size, ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+                    ("torch", "Size"): torch.Size,
+                    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
                     ("pathlib", "PosixPath"): pathlib.PosixPath})
     return classes
 
