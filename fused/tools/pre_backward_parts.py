@@ -26,6 +26,7 @@ from benchmarks.common import environment, fmt, markdown_table, write_json
 from benchmarks.kernels import time_alone
 from fused import kernels
 
+from .interpreter import fix_scalar_index
 from .launches import connection_launches
 
 SETTINGS = ((16, 16, 8), (32, 32, 4))  # (BLOCK_T, BLOCK_C, num_warps) besides the shipped one
@@ -135,6 +136,10 @@ def main(argv=None):
     parser.add_argument("--json", default=os.path.join("out", "pre_backward_parts.json"))
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        parser.error("on CPU the kernels run only under TRITON_INTERPRET=1 (a dry run at tiny shapes)")
+    if device.type == "cpu":
+        fix_scalar_index()  # connection_forward is called directly: the kernels run whatever INTERPRET_ON_CPU
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 GEMM as the kernel's fp32 dot: no TF32
     with tempfile.TemporaryDirectory() as folder:
         result = dict(environment(argv, device, "-m", "fused.tools.pre_backward_parts"), mode="pre_backward_parts",
