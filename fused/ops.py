@@ -83,7 +83,11 @@ def kernel(kernel_name):
 
 def launch(kernel_name, grid, device, *args, **constexprs):
     """Launch kernel_name on grid (no hook)."""
-    fn = kernel(kernel_name)
+    launch_function(kernel(kernel_name), grid, device, *args, **constexprs)
+
+
+def launch_function(fn, grid, device, *args, **constexprs):
+    """Launch the kernel function fn on grid, on CUDA from the tensors' device."""
     if device.type == "cuda":
         with torch.cuda.device(device):  # triton launches on the current device
             fn[grid](*args, **constexprs)

@@ -24,7 +24,7 @@ import torch
 
 from benchmarks.common import environment, fmt, markdown_table, write_json
 from benchmarks.kernels import time_alone
-from fused import kernels
+from fused import kernels, ops
 
 from .interpreter import fix_scalar_index
 from .launches import connection_launches
@@ -81,11 +81,7 @@ def measure(args, device, kernel):
     grad_x, grad_weight = recorded[10].clone(), recorded[11].sum(0)
 
     def run(a, constexprs, programs):
-        if device.type == "cuda":
-            with torch.cuda.device(device):
-                kernel[(programs,)](*a, **constexprs)
-        else:
-            kernel[(programs,)](*a, **constexprs)
+        ops.launch_function(kernel, (programs,), device, *a, **constexprs)
 
     shipped_setting = (shipped["BLOCK_T"], shipped["BLOCK_C"], shipped["num_warps"])
     rows = []
