@@ -10,7 +10,10 @@ from pathlib import Path
 
 # One thread per process, here and in every subprocess a test starts: pytest-xdist runs a worker per
 # core, and a second thread per worker makes torch's tiny ops wait on a busy core (several times slower).
+# Inductor likewise compiles in the process itself rather than starting a pool of compile workers,
+# each of which imports torch again.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
