@@ -21,14 +21,18 @@ import errno
 import fcntl
 import functools
 import io
+import json
+import math
 import os
 import pathlib
 import pickle
+import random
 import re
 import shutil
 import tempfile
 import warnings
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -297,42 +301,96 @@ def find_checkpoint(out_dir):
     return sharded_path(out_dir) if not os.path.isfile(single) and os.path.isdir(sharded_path(out_dir)) else single
 
 
-def save_sharded(path, model, optimizer, run_state):
-    """Save to the sharded checkpoint `path` (<out_dir>/ckpt.dcp). Every rank calls it: each writes
-    its own shards of the model (sharded by parallelize.apply_fsdp) and of its optimizer into a new
-    folder `ckpt.dcp.<step>`; rank 0 adds run.pt (run_state: a checkpoint dict without model and
-    optimizer), then points the link ckpt.dcp at the folder with an atomic rename and removes the
-    folders it replaced. A crash or an exception before the rename leaves the link on the previous
-    complete checkpoint; the next save removes what the failed one wrote. The caller syncs the
-    ranks after it (train.py shares every rank's outcome), so that none goes on before the link
-    names the new checkpoint or a failure is known to all."""
+def save_sharded(path, model, optimizer, run_state, keep=1):
+    """Save to the sharded checkpoint `path` (<out_dir>/ckpt.dcp) and wait until it is published.
+    Every rank calls it (start_sharded_save says how); raises the first failure on the rank that
+    met it. The caller syncs the ranks after it (CheckpointManager shares every rank's outcome)."""
+    start_sharded_save(path, model, optimizer, run_state, keep).finish()
+
+
+def start_sharded_save(path, model, optimizer, run_state, keep=1, group=None, asynchronous=False):
+    """Start a save to the sharded checkpoint `path`; returns the ShardedSave that publishes it.
+    Every rank calls it: rank 0 writes run.pt (run_state: a checkpoint dict without model and
+    optimizer) into a new folder `ckpt.dcp.<step>`, then each rank writes its own shards of the
+    model (sharded by parallelize.apply_fsdp) and of its optimizer there. Asynchronous: the shards
+    are copied to CPU memory here and written by a background thread, whose collectives go
+    through `group` (a gloo group apart from training's); the model may train on meanwhile."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict
     out_dir = os.path.dirname(os.path.abspath(path))
     names = [_fresh_folder_name(out_dir, run_state["step"]) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(names)
-    folder, linked = os.path.join(out_dir, names[0]), False
+    folder, error = os.path.join(out_dir, names[0]), None
+    if dist.get_rank() == 0:
+        try:
+            os.makedirs(folder)
+            save_checkpoint(os.path.join(folder, RUN_STATE_FILE), run_state)
+        except Exception as e:  # torch's writer raises RuntimeError as well as OSError
+            error = e
+    started = [error is None]
+    dist.broadcast_object_list(started)  # no rank goes into DCP's collectives alone
+    save = ShardedSave(out_dir, names[0], run_state["step"], keep)
+    if not started[0]:
+        save.remove_folder()
+        raise error if error is not None else OSError("rank 0 could not start the checkpoint")
     try:
         fresh = not optimizer.state
         model_state, optimizer_state = get_state_dict(model, optimizer)
         if fresh:  # get_state_dict built the state with one zero-gradient step: AdamW's state before any step
             for param_state in optimizer.state.values():
                 param_state["step"].zero_()
-        try:
-            dcp.save(dict(model=model_state, optimizer=optimizer_state),
-                     storage_writer=dcp.FileSystemWriter(folder, sync_files=True))
-        except CheckpointException as e:  # a BaseException: raise the first rank's own exception instead
-            raise first_exception(e) from None
-        if dist.get_rank() == 0:
-            save_checkpoint(os.path.join(folder, RUN_STATE_FILE), run_state)  # also makes the folder's entries durable
-            _point_link(out_dir, names[0])
-            linked = True
-            remove_stale_sharded(out_dir)
+        state = dict(model=model_state, optimizer=optimizer_state)
+        writer = dcp.FileSystemWriter(folder, sync_files=True)
+        if asynchronous:
+            save.future = dcp.async_save(state, storage_writer=writer, process_group=group)
+        else:
+            try:
+                dcp.save(state, storage_writer=writer)
+            except CheckpointException as e:  # a BaseException: raise the first rank's own exception instead
+                raise first_exception(e) from None
     except BaseException:
-        if dist.get_rank() == 0 and not linked:
-            shutil.rmtree(folder, ignore_errors=True)
+        save.remove_folder()
         raise
+    return save
+
+
+class ShardedSave:
+    """A sharded save that has started: `future` (None when it was written in the call) says when
+    every rank's shards and DCP's index, .metadata, are on disk; finish() waits for it, then rank 0
+    points the link ckpt.dcp at the folder with an atomic rename and keeps the newest `keep`
+    complete folders. A crash or a failure at any point before the rename leaves the link on the
+    previous complete checkpoint; what the failed save wrote is removed."""
+
+    def __init__(self, out_dir, name, step, keep, future=None):
+        self.out_dir, self.name, self.step, self.keep, self.future = out_dir, name, step, keep, future
+
+    def done(self):
+        return self.future is None or self.future.done()
+
+    def finish(self):
+        """Wait for the write, then publish it; raises the first rank's exception if it failed."""
+        from torch.distributed.checkpoint.api import CheckpointException
+        linked = False
+        try:
+            if self.future is not None:
+                try:
+                    self.future.result()
+                except CheckpointException as e:  # a BaseException: raise the first rank's own exception instead
+                    raise first_exception(e) from None
+            if dist.get_rank() == 0:
+                _fsync_dir(os.path.join(self.out_dir, self.name))  # .metadata's rename made durable
+                _point_link(self.out_dir, self.name)
+                linked = True
+                remove_stale_sharded(self.out_dir, self.keep)
+        except BaseException:
+            if not linked:
+                self.remove_folder()
+            raise
+
+    def remove_folder(self):
+        if dist.get_rank() == 0:
+            shutil.rmtree(os.path.join(self.out_dir, self.name), ignore_errors=True)
 
 
 def first_exception(e):
@@ -369,19 +427,41 @@ def _point_link(out_dir, name):
         os.unlink(tmp_link)
     os.symlink(name, tmp_link)
     os.replace(tmp_link, sharded_path(out_dir))
-    dir_fd = os.open(out_dir, os.O_RDONLY)
+    _fsync_dir(out_dir)
+
+
+def _fsync_dir(directory):
+    dir_fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
 
 
-def remove_stale_sharded(out_dir):
-    """Delete the ckpt.dcp.* folders the link does not name: replaced checkpoints and what a killed
-    or failed save wrote. Returns the number of folders removed."""
+SHARDED_FOLDER = re.compile(re.escape(SHARDED_NAME) + r"\.(\d+)(?:-(\d+))?")
+
+
+def sharded_folders(out_dir):
+    """The ckpt.dcp.<step>[-<retry>] folders of out_dir, oldest first (by step, then retry)."""
+    names = os.listdir(out_dir) if os.path.isdir(out_dir) else []
+    matches = [m for m in map(SHARDED_FOLDER.fullmatch, names) if m and os.path.isdir(os.path.join(out_dir, m[0]))]
+    return [m[0] for m in sorted(matches, key=lambda m: (int(m[1]), int(m[2] or 0)))]
+
+
+def is_complete_sharded(folder):
+    """Whether a sharded checkpoint folder holds its run.pt and DCP's index (written last)."""
+    return all(os.path.isfile(os.path.join(folder, name)) for name in (RUN_STATE_FILE, ".metadata"))
+
+
+def remove_stale_sharded(out_dir, keep=1):
+    """Delete the ckpt.dcp.* folders beyond the link's and the keep - 1 complete ones before it:
+    replaced checkpoints and what a killed or failed save wrote. Returns the number removed."""
     live = os.path.basename(os.path.realpath(sharded_path(out_dir)))
-    pattern = re.compile(re.escape(SHARDED_NAME) + r"\.\d+(-\d+)?")
-    stale = [name for name in os.listdir(out_dir) if pattern.fullmatch(name) and name != live]
+    folders = sharded_folders(out_dir)
+    older = folders[:folders.index(live)] if live in folders else folders
+    kept = {live} | set([name for name in older if is_complete_sharded(os.path.join(out_dir, name))][-(keep - 1):]
+                        if keep > 1 else [])
+    stale = [name for name in folders if name not in kept]
     for name in stale:
         shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
     return len(stale)
@@ -487,6 +567,268 @@ def _safe_reader_and_planner():
                 self.state_dict[read_item.dest_index.fqn] = loaded
 
     return SafeFileSystemReader, SafeLoadPlanner
+
+
+# ----------------------------------------------------------------------------------------------
+# A run's checkpoints: the start decision, restoring, saving, keeping, the `done` marker
+
+
+@dataclasses.dataclass
+class TrainState:
+    """The run's state: what a checkpoint holds besides the settings (the model, unwrapped, its
+    optimizer, the training-batch generator as the data position, the optimizer steps done and
+    the best val loss)."""
+    model: GPT
+    optimizer: torch.optim.Optimizer
+    train_generator: torch.Generator
+    step: int = 0
+    best_val_loss: float = math.inf
+
+
+class CheckpointManager:
+    """The checkpoints of one run in cfg.out_dir, for every rank of `world` (ddp, rank, size,
+    device, sharded, master): ckpt.pt written by rank 0, or with world.sharded the sharded ckpt.dcp
+    that every rank writes, asynchronously (the next save, the last one and a signal's wait for
+    it). load() makes the start decision and reads the checkpoint, restore() continues from it,
+    save() after every step saves when an evaluation improved (or always_save_checkpoint), at
+    ckpt_interval, on a signal and at the last step, and finish() writes the `done` marker. A
+    failed save is one SaveError line on every rank, naming the checkpoint kept."""
+
+    def __init__(self, cfg, world, log=print, asynchronous=True):
+        self.cfg, self.world, self.log = cfg, world, log
+        self.path = sharded_path(cfg.out_dir) if world.sharded else os.path.join(cfg.out_dir, "ckpt.pt")
+        self.finished = False  # auto on a run that already reached max_iters: nothing to do
+        self.saved_step = None  # the step of the newest published checkpoint
+        self.started_step = None  # the step of the newest save started
+        self.in_flight = None  # a sharded save still writing (ShardedSave)
+        self.outcome = None  # (step, exception or None) of a sharded save finished on this rank, not yet shared
+        self.asynchronous = asynchronous and world.sharded
+        self.group = dist.new_group(backend="gloo") if self.asynchronous and world.ddp else None
+
+    # -- the start
+
+    def load(self):
+        """The checkpoint to continue, checked against this run, or None for a fresh start (and
+        for a finished run: then self.finished, and rank 0 said so)."""
+        cfg = self.cfg
+        mode = self._start_mode()
+        if mode == "finished":
+            self.finished = True
+            if self.world.master:
+                self.log(f"nothing to do: {cfg.out_dir} finished at step {finished_step(cfg.out_dir)} "
+                         f"(max_iters={cfg.max_iters})")
+            return None
+        if mode == "scratch":
+            for path, parallel in ((os.path.join(cfg.out_dir, "ckpt.pt"), "ddp"), (sharded_path(cfg.out_dir), "fsdp")):
+                if os.path.lexists(path):
+                    how = "" if parallel == cfg.parallel else f" and --parallel={parallel}"
+                    raise CheckpointError(f"{path} exists; continue it with --init_from=resume (or auto){how} "
+                                          f"or pick another --out_dir")
+            return None
+        ckpt = load_sharded_run(self.path) if self.world.sharded else load_checkpoint(self.path)
+        check_same_run(ckpt, dataclasses.asdict(cfg), self.path)
+        saved = ckpt["config"]
+        if self.world.master and saved["lr_decay_iters"] != cfg.lr_decay_iters:
+            self.log(f"note: resuming with lr_decay_iters={cfg.lr_decay_iters} (max_iters={cfg.max_iters}) where the "
+                     f"checkpoint's run had lr_decay_iters={saved['lr_decay_iters']} (max_iters={saved['max_iters']}): "
+                     f"the cosine schedule's horizon moves; pass --lr_decay_iters={saved['lr_decay_iters']} "
+                     f"to keep the old schedule")
+        return ckpt
+
+    def _start_mode(self):
+        """"scratch", "resume", or "finished" (auto on a run whose `done` marker reached max_iters).
+        For auto, rank 0 looks into out_dir and tells the others, so that every rank goes the same
+        way, or raises the same error."""
+        if self.cfg.init_from != "auto":
+            return self.cfg.init_from
+        decision = [None]
+        if self.world.master:
+            try:
+                decision = [(self._auto_start_mode(), None)]
+            except CheckpointError as e:
+                decision = [(None, str(e))]
+        if self.world.ddp:
+            dist.broadcast_object_list(decision, src=0)
+        mode, error = decision[0]
+        if error is not None:
+            raise CheckpointError(error)
+        return mode
+
+    def _auto_start_mode(self):
+        cfg = self.cfg
+        done = finished_step(cfg.out_dir)
+        if done is not None and done >= cfg.max_iters:
+            config_path = os.path.join(cfg.out_dir, "config.json")
+            try:
+                with open(config_path, encoding="utf-8") as f:
+                    saved = json.load(f)
+            except (OSError, ValueError):
+                saved = None  # written at every start; a kill may have cut it, and the marker came later
+            if isinstance(saved, dict):
+                check_same_run(dict(config=saved), dataclasses.asdict(cfg), config_path)
+            return "finished"
+        return "resume" if has_checkpoint(self.path) else "scratch"
+
+    def restore(self, state, ckpt):
+        """Continue from a checkpoint whose weights the model already holds, or for a sharded model
+        from the sharded checkpoint, read into its shards with the optimizer state."""
+        if self.world.sharded:
+            load_sharded(self.path, state.model, state.optimizer)
+        elif "optimizer" not in ckpt:
+            raise CheckpointError(f"{self.path} holds weights only (written from a sharded checkpoint); continue "
+                                  f"the run from its ckpt.dcp with --parallel=fsdp")
+        else:
+            state.optimizer.load_state_dict(ckpt["optimizer"])
+        state.train_generator.set_state(ckpt["data_state"]["train_generator"])
+        set_rng_state(ckpt["rng"][self.world.rank % len(ckpt["rng"])], self.world.device)  # the world size may change
+        state.step, state.best_val_loss = ckpt["step"], ckpt["best_val_loss"]
+        self.saved_step = self.started_step = state.step
+
+    def prepare(self, step):
+        """Rank 0, before training from `step`: no stale `done` marker, no temporary files or
+        folders of killed saves, and a warning if the disk has no room for the next save."""
+        done_path = os.path.join(self.cfg.out_dir, DONE_FILE)
+        if os.path.exists(done_path) and step < self.cfg.max_iters:
+            os.remove(done_path)
+        removed, freed = remove_stale_temp_files(os.path.join(self.cfg.out_dir, "ckpt.pt"))
+        if removed:
+            self.log(f"removed {removed} stale checkpoint temp file(s) in {self.cfg.out_dir} ({freed / 1e6:.1f} MB), "
+                     f"left by a save that was killed")
+        self.warn_if_low_space()
+
+    # -- saving
+
+    def due(self, step):
+        """Whether ckpt_interval asks for a save after this step."""
+        return self.cfg.ckpt_interval > 0 and step % self.cfg.ckpt_interval == 0
+
+    def save(self, state, val_loss=None, signum=0, force=False):
+        """Every rank calls it after a step whose losses were checked (and after the first
+        evaluation), with the step's val loss if it evaluated and the agreed signal number. Saves
+        when the val loss improved (or on always_save_checkpoint), at ckpt_interval, on a signal,
+        at the last step or when forced; a signal's save and the last one are complete on return."""
+        improved = val_loss is not None and val_loss < state.best_val_loss
+        if val_loss is not None:
+            state.best_val_loss = min(state.best_val_loss, val_loss)
+        last = state.step >= self.cfg.max_iters
+        evaluated = val_loss is not None and (improved or self.cfg.always_save_checkpoint)
+        if (evaluated or self.due(state.step) or signum or last or force) and self.started_step != state.step:
+            self._write(state)
+        if signum or last or not self.asynchronous:
+            self.wait()
+        elif self.in_flight is not None and self.in_flight.done():
+            self._settle()  # publish it now: the link names the newest checkpoint as early as possible
+
+    def _write(self, state):
+        rng = [rng_state(self.world.device)]
+        if self.world.ddp:
+            rng = [None] * self.world.size
+            dist.all_gather_object(rng, rng_state(self.world.device))
+        run_state = dict(model_args=dataclasses.asdict(state.model.config), config=dataclasses.asdict(self.cfg),
+                         step=state.step, best_val_loss=state.best_val_loss, rng=rng,
+                         data_state=dict(train_generator=state.train_generator.get_state()))
+        self.wait()  # the save before this one
+        error = None
+        try:
+            if self.world.sharded:
+                self.in_flight = start_sharded_save(self.path, state.model, state.optimizer, run_state,
+                                                    self.cfg.keep_checkpoints, self.group, self.asynchronous)
+            elif self.world.master:
+                save_checkpoint(self.path, dict(model=state.model.state_dict(),
+                                                 optimizer=state.optimizer.state_dict(), **run_state))
+        except Exception as e:  # torch's writer raises RuntimeError as well as OSError
+            error = e
+        self._raise_if_failed(error, state.step)
+        self.started_step = state.step
+        if not self.world.sharded:
+            self._published(state.step)
+
+    def _settle(self):
+        """This rank: wait for the sharded save in flight and publish it; keep its outcome."""
+        save, self.in_flight = self.in_flight, None
+        try:
+            save.finish()
+            self.outcome = (save.step, None)
+        except Exception as e:
+            self.outcome = (save.step, e)
+
+    def wait(self):
+        """Every rank: the save in flight is complete and published, or every rank raises the
+        SaveError of its failure, however late it was found."""
+        if self.in_flight is not None:
+            self._settle()
+        if self.outcome is not None:
+            (step, error), self.outcome = self.outcome, None
+            self._raise_if_failed(error, step)
+            self._published(step)
+
+    def _published(self, step):
+        self.saved_step = step
+        if self.world.master:
+            self.warn_if_low_space()
+
+    def _raise_if_failed(self, error, step):
+        """Share every rank's outcome of a save (error: its exception, or None): if any rank's part
+        failed, every rank raises the same SaveError line, which names the checkpoint still on disk,
+        so that all ranks stop together instead of waiting for the one that left."""
+        line = None if error is None else save_failure_line(error, self.path, step, self.saved_step)
+        lines = [line]
+        if self.world.ddp:
+            lines = [None] * self.world.size
+            dist.all_gather_object(lines, line)
+        failed = [line for line in lines if line is not None]
+        if failed:
+            raise SaveError(failed[0])
+
+    def warn_if_low_space(self):
+        """Rank 0: say before the next save whether it would run out of disk."""
+        warning = low_space_warning(self.path)
+        if warning:
+            self.log(warning)
+
+    # -- the end
+
+    def finish(self, state):
+        """After the last step: the final checkpoint complete, then rank 0 writes the `done` marker."""
+        if self.started_step != state.step:
+            self._write(state)
+        self.wait()
+        if self.world.master:
+            with open(os.path.join(self.cfg.out_dir, DONE_FILE), "w", encoding="utf-8") as f:
+                f.write(f"{state.step}\n")
+            self.log(f"done: step {state.step}, best val loss {state.best_val_loss:.4f}, checkpoint {self.path}")
+
+    def kept(self):
+        """What is kept after a failure in training (a save still writing completes first)."""
+        with contextlib.suppress(SaveError):
+            self.wait()
+        return ("no checkpoint was saved" if self.saved_step is None else
+                f"{self.path} keeps the last good checkpoint (step {self.saved_step})")
+
+    def close(self):
+        """On any exit: a save still writing completes and is published if it can be, quietly."""
+        if self.in_flight is not None:
+            self._settle()
+
+
+def rng_state(device):
+    """This process's RNG states as tensors and plain values (loadable with weights_only)."""
+    _, np_keys, np_pos, np_has_gauss, np_cached = np.random.get_state()
+    return dict(python=random.getstate(),
+                numpy=dict(keys=torch.from_numpy(np_keys.astype(np.int64)), pos=np_pos,
+                           has_gauss=np_has_gauss, cached_gaussian=np_cached),
+                torch=torch.get_rng_state(),
+                cuda=torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+def set_rng_state(state, device):
+    random.setstate(state["python"])
+    np_state = state["numpy"]
+    np.random.set_state(("MT19937", np_state["keys"].numpy().astype(np.uint32), np_state["pos"],
+                         np_state["has_gauss"], np_state["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def write_single_file(sharded, path):

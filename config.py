@@ -77,6 +77,7 @@ RANGES = (
     ("eval_iters", lambda v: v >= 1, ">= 1"),
     ("log_interval", lambda v: v >= 1, ">= 1"),
     ("ckpt_interval", lambda v: v >= 0, ">= 0 (0: save only at evaluations)"),
+    ("keep_checkpoints", lambda v: v >= 1, ">= 1"),
     ("peak_flops", lambda v: v > 0, "> 0 (or None: looked up from the GPU name)"),
     ("seed", lambda v: 0 <= v < 2**31, "in [0, 2**31) (numpy seeds rank r with seed + r)"),
 )
@@ -143,6 +144,7 @@ class TrainConfig:
     log_interval: int = 10
     always_save_checkpoint: bool = True
     ckpt_interval: int = 0  # also save every this many steps, without an evaluation; 0: only at evaluations
+    keep_checkpoints: int = 1  # the newest this many complete checkpoints stay on disk (older: ckpt.<step>.pt, ckpt.dcp.<step>)
     # system
     parallel: str = "ddp"  # ddp: every process holds the whole model; fsdp: sharded (FSDP2, under torchrun)
     device: str = "auto"  # auto | cpu | cuda | cuda:N (torchrun picks cuda:LOCAL_RANK)

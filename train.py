@@ -31,9 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoint import (DONE_FILE, CheckpointError, SaveError, check_same_model, check_same_run, finished_step,
-                        has_checkpoint, load_checkpoint, load_sharded, load_sharded_run, low_space_warning,
-                        remove_stale_temp_files, save_checkpoint, save_failure_line, save_sharded, sharded_path)
+from checkpoint import CheckpointError, CheckpointManager, SaveError, TrainState, check_same_model
 from config import ConfigError, TrainConfig, load_config
 from devices import autocast_context, peak_flops, synchronize
 from model import GPT, GPTConfig, compile_model, connection_path_line, model_shape
@@ -197,19 +195,6 @@ def get_lr(it, cfg):
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.learning_rate - cfg.min_lr)
 
 
-@dataclass
-class TrainState:
-    """The run's state: what a checkpoint holds besides the settings (the model, unwrapped, its
-    optimizer, the training-batch generator as the data position, the optimizer steps done and
-    the best val loss) and the step of the checkpoint on disk (None before the first save)."""
-    model: GPT
-    optimizer: torch.optim.Optimizer
-    train_generator: torch.Generator
-    step: int = 0
-    best_val_loss: float = math.inf
-    saved_step: typing.Optional[int] = None
-
-
 def train_step(train_model, state, path, offsets, lr, ctx, cfg, world):
     """One optimizer step on this rank's micro-batches (window starts `offsets`): forward and
     backward with gradient accumulation, clipping, the update. Returns the step's mean loss over
@@ -275,101 +260,15 @@ def evaluate(model, eval_sets, ctx, cfg, world):
     return losses
 
 
-def evaluate_and_save(model, eval_sets, state, ctx, cfg, world, metrics, ckpt_path):
-    """Evaluate at state.step, log it, and save a checkpoint when the val loss improved (or on
-    always_save_checkpoint)."""
+def evaluate_and_log(model, eval_sets, step, ctx, cfg, world, metrics):
+    """Evaluate at `step`, log it, and return the val loss (NonFiniteError if a loss is not finite)."""
     losses = evaluate(model, eval_sets, ctx, cfg, world)
     if not all(math.isfinite(v) for v in losses.values()):
-        raise NonFiniteError(f"non-finite eval loss at step {state.step} ({losses})")
-    metrics.write([dict(step=state.step, eval_train_loss=losses["train"], val_loss=losses["val"])])
+        raise NonFiniteError(f"non-finite eval loss at step {step} ({losses})")
+    metrics.write([dict(step=step, eval_train_loss=losses["train"], val_loss=losses["val"])])
     if world.master:
-        log(f"eval step {state.step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-    improved = losses["val"] < state.best_val_loss
-    state.best_val_loss = min(state.best_val_loss, losses["val"])
-    if improved or cfg.always_save_checkpoint:
-        save_run(ckpt_path, state, cfg, world)
-
-
-def save_run(path, state, cfg, world):
-    """Every rank calls it, as each rank's RNG states go into the checkpoint; rank 0 writes it, or
-    for a sharded model every rank writes its shards (checkpoint.save_sharded)."""
-    rng = [rng_state(world.device)]
-    if world.ddp:
-        rng = [None] * world.size
-        dist.all_gather_object(rng, rng_state(world.device))
-    run_state = dict(model_args=asdict(state.model.config), config=asdict(cfg), step=state.step,
-                     best_val_loss=state.best_val_loss, rng=rng,
-                     data_state=dict(train_generator=state.train_generator.get_state()))
-    error = None
-    try:
-        if world.sharded:
-            save_sharded(path, state.model, state.optimizer, run_state)
-        elif world.master:
-            save_checkpoint(path, dict(model=state.model.state_dict(), optimizer=state.optimizer.state_dict(),
-                                       **run_state))
-    except Exception as e:  # torch's writer raises RuntimeError as well as OSError
-        error = e
-    raise_if_save_failed(error, path, state, world)
-    state.saved_step = state.step
-    if world.master:
-        warn_if_low_space(path)
-
-
-def raise_if_save_failed(error, path, state, world):
-    """Share every rank's outcome of a save (error: its exception, or None): if any rank's part
-    failed, every rank raises the same SaveError line, which names the checkpoint still on disk,
-    so that all ranks stop together instead of waiting for the one that left."""
-    line = None if error is None else save_failure_line(error, path, state.step, state.saved_step)
-    lines = [line]
-    if world.ddp:
-        lines = [None] * world.size
-        dist.all_gather_object(lines, line)
-    failed = [line for line in lines if line is not None]
-    if failed:
-        raise SaveError(failed[0])
-
-
-def warn_if_low_space(path):
-    """Rank 0: say before the next save whether it would run out of disk."""
-    warning = low_space_warning(path)
-    if warning:
-        log(warning)
-
-
-def restore_run(state, ckpt, world, path):
-    """Continue from a checkpoint whose weights the model already holds, or for a sharded model
-    from the sharded checkpoint `path`, read into its shards with the optimizer state."""
-    if world.sharded:
-        load_sharded(path, state.model, state.optimizer)
-    elif "optimizer" not in ckpt:
-        raise CheckpointError(f"{path} holds weights only (written from a sharded checkpoint); continue the run "
-                              f"from its ckpt.dcp with --parallel=fsdp")
-    else:
-        state.optimizer.load_state_dict(ckpt["optimizer"])
-    state.train_generator.set_state(ckpt["data_state"]["train_generator"])
-    set_rng_state(ckpt["rng"][world.rank % len(ckpt["rng"])], world.device)  # the world size may change
-    state.step, state.best_val_loss = ckpt["step"], ckpt["best_val_loss"]
-    state.saved_step = state.step
-
-
-def rng_state(device):
-    """This process's RNG states as tensors and plain values (loadable with weights_only)."""
-    _, np_keys, np_pos, np_has_gauss, np_cached = np.random.get_state()
-    return dict(python=random.getstate(),
-                numpy=dict(keys=torch.from_numpy(np_keys.astype(np.int64)), pos=np_pos,
-                           has_gauss=np_has_gauss, cached_gaussian=np_cached),
-                torch=torch.get_rng_state(),
-                cuda=torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
-
-
-def set_rng_state(state, device):
-    random.setstate(state["python"])
-    np_state = state["numpy"]
-    np.random.set_state(("MT19937", np_state["keys"].numpy().astype(np.uint32), np_state["pos"],
-                         np_state["has_gauss"], np_state["cached_gaussian"]))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"], device)
+        log(f"eval step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+    return losses["val"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -523,63 +422,6 @@ def build_model_config(cfg, vocab_size):
                      mixing_dtype=cfg.mixing_dtype, **shape)
 
 
-def start_mode(cfg, ckpt_path, world):
-    """How this start goes: "scratch", "resume", or "finished" (auto on a run whose `done` marker
-    reached max_iters). For auto, rank 0 looks into out_dir and tells the others, so that every rank
-    goes the same way, or raises the same error."""
-    if cfg.init_from != "auto":
-        return cfg.init_from
-    decision = [None]
-    if world.master:
-        try:
-            decision = [(auto_start_mode(cfg, ckpt_path), None)]
-        except CheckpointError as e:
-            decision = [(None, str(e))]
-    if world.ddp:
-        dist.broadcast_object_list(decision, src=0)
-    mode, error = decision[0]
-    if error is not None:
-        raise CheckpointError(error)
-    return mode
-
-
-def auto_start_mode(cfg, ckpt_path):
-    """--init_from=auto: "finished" when out_dir's run reached max_iters, "resume" when it holds a
-    checkpoint, else "scratch". A finished run's config.json must name this run."""
-    done = finished_step(cfg.out_dir)
-    if done is not None and done >= cfg.max_iters:
-        config_path = os.path.join(cfg.out_dir, "config.json")
-        try:
-            with open(config_path, encoding="utf-8") as f:
-                saved = json.load(f)
-        except (OSError, ValueError):
-            saved = None  # written at every start; a kill may have cut it, and the marker came later
-        if isinstance(saved, dict):
-            check_same_run(dict(config=saved), asdict(cfg), config_path)
-        return "finished"
-    return "resume" if has_checkpoint(ckpt_path) else "scratch"
-
-
-def resume_checkpoint(cfg, mode, ckpt_path, master):
-    """The checkpoint to continue (None for a fresh start), checked against this run."""
-    if mode == "scratch":
-        for path, parallel in ((os.path.join(cfg.out_dir, "ckpt.pt"), "ddp"), (sharded_path(cfg.out_dir), "fsdp")):
-            if os.path.lexists(path):
-                how = "" if parallel == cfg.parallel else f" and --parallel={parallel}"
-                raise ConfigError(f"{path} exists; continue it with --init_from=resume (or auto){how} "
-                                  f"or pick another --out_dir")
-        return None
-    ckpt = load_sharded_run(ckpt_path) if cfg.parallel == "fsdp" else load_checkpoint(ckpt_path)
-    check_same_run(ckpt, asdict(cfg), ckpt_path)
-    saved = ckpt["config"]
-    if master and saved["lr_decay_iters"] != cfg.lr_decay_iters:
-        log(f"note: resuming with lr_decay_iters={cfg.lr_decay_iters} (max_iters={cfg.max_iters}) where the "
-            f"checkpoint's run had lr_decay_iters={saved['lr_decay_iters']} (max_iters={saved['max_iters']}): "
-            f"the cosine schedule's horizon moves; pass --lr_decay_iters={saved['lr_decay_iters']} "
-            f"to keep the old schedule")
-    return ckpt
-
-
 def build_model(cfg, vocab_size, ckpt, ckpt_path, world):
     """The GPT on its device: initialised from the seed (rank 0's weights are the ones DDP
     broadcasts; FSDP broadcasts nothing, so there every rank builds rank 0's weights and keeps its
@@ -601,20 +443,13 @@ def build_model(cfg, vocab_size, ckpt, ckpt_path, world):
     return model.to(world.device)
 
 
-def start_out_dir(cfg, model, step, tokens_per_step, dtype, world, ckpt_path):
-    """Rank 0: config.json, no stale `done` marker or checkpoint temp files, the run's header lines."""
+def start_out_dir(cfg, model, step, tokens_per_step, dtype, world, checkpoints):
+    """Rank 0: config.json, the checkpoints' folder made ready, the run's header lines."""
     connections = model.connection_path(world.device)  # fused kernels or residuals.py, and why
     os.makedirs(cfg.out_dir, exist_ok=True)
     with open(os.path.join(cfg.out_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(dict(asdict(cfg), connections=connections), f, indent=2)
-    done_path = os.path.join(cfg.out_dir, DONE_FILE)
-    if os.path.exists(done_path) and step < cfg.max_iters:
-        os.remove(done_path)
-    removed, freed = remove_stale_temp_files(os.path.join(cfg.out_dir, "ckpt.pt"))
-    if removed:
-        log(f"removed {removed} stale checkpoint temp file(s) in {cfg.out_dir} ({freed / 1e6:.1f} MB), "
-            f"left by a save that was killed")
-    warn_if_low_space(ckpt_path)
+    checkpoints.prepare(step)
     log(f"{cfg.residual} {cfg.size}: {model.get_num_params() / 1e6:.2f}M parameters, "
         f"{tokens_per_step:,} tokens/step on {world.size} x {world.device.type} ({dtype}), "
         f"{'resuming at' if step else 'starting at'} step {step} of {cfg.max_iters} -> {cfg.out_dir}")
@@ -665,16 +500,11 @@ def train(cfg, world):
     paths, vocab_size = check_data(cfg)
     wandb = import_wandb() if cfg.wandb_log and world.master else None  # fail before any work
     dtype, ctx = autocast_context(cfg, world.device)
-    ckpt_path = sharded_path(cfg.out_dir) if world.sharded else os.path.join(cfg.out_dir, "ckpt.pt")
-    mode = start_mode(cfg, ckpt_path, world)
-    if mode == "finished":
-        if world.master:
-            log(f"nothing to do: {cfg.out_dir} finished at step {finished_step(cfg.out_dir)} "
-                f"(max_iters={cfg.max_iters})")
+    checkpoints = CheckpointManager(cfg, world, log)
+    ckpt = checkpoints.load()  # None: a fresh start
+    if checkpoints.finished:
         return 0
-    ckpt = resume_checkpoint(cfg, mode, ckpt_path, world.master)
-    resuming = ckpt is not None
-    raw_model = build_model(cfg, vocab_size, ckpt, ckpt_path, world)
+    raw_model = build_model(cfg, vocab_size, ckpt, checkpoints.path, world)
     if cfg.activation_checkpointing:
         apply_ac(raw_model)
     model = compile_model(raw_model, cfg.compile_mode) if compiled else raw_model
@@ -684,24 +514,23 @@ def train(cfg, world):
                                                world.device.type)
     state = TrainState(raw_model, optimizer, make_generator(cfg.seed, TRAIN_STREAM))
     if ckpt is not None:
-        restore_run(state, ckpt, world, ckpt_path)
+        checkpoints.restore(state, ckpt)
+    resume_step = None if ckpt is None else state.step
     del ckpt
     eval_sets = eval_batches(cfg, paths)
     device_ids = [world.device.index] if world.device.type == "cuda" else None
-    ddp = world.ddp and not world.sharded
-    train_model = DDP(model, device_ids=device_ids) if ddp else model  # evaluation runs without DDP
+    train_model = DDP(model, device_ids=device_ids) if world.ddp and not world.sharded else model  # eval: no DDP
     peak = peak_flops(cfg, world.device, dtype)
     peak = peak * world.size if peak else None
     if world.master:
-        start_out_dir(cfg, raw_model, state.step, tokens_per_step, dtype, world, ckpt_path)
-    metrics = MetricsWriter(os.path.join(cfg.out_dir, "metrics.jsonl"), world.master,
-                            state.step if resuming else None,
+        start_out_dir(cfg, raw_model, state.step, tokens_per_step, dtype, world, checkpoints)
+    metrics = MetricsWriter(os.path.join(cfg.out_dir, "metrics.jsonl"), world.master, resume_step,
                             start_wandb(wandb, cfg) if wandb is not None else None)
     stop = StopFlag(world.ddp, world.device)
     first_step = state.step + 1  # it compiles under torch.compile: timed apart from the others
     try:
-        if not resuming:
-            evaluate_and_save(model, eval_sets, state, ctx, cfg, world, metrics, ckpt_path)
+        if resume_step is None:
+            checkpoints.save(state, evaluate_and_log(model, eval_sets, 0, ctx, cfg, world, metrics))
         pending = []  # (step, lr, loss, grad norm) on the device until the next log point
         synchronize(world.device)
         window_start = time.perf_counter()
@@ -716,43 +545,28 @@ def train(cfg, world):
 
             signum = stop.agreed()
             is_eval = state.step % cfg.eval_interval == 0 or state.step == cfg.max_iters
-            is_save = cfg.ckpt_interval > 0 and state.step % cfg.ckpt_interval == 0
-            if state.step % cfg.log_interval == 0 or is_eval or is_save or signum:
-                # every loss is checked before any save, so ckpt.pt stays the last good checkpoint
+            if state.step % cfg.log_interval == 0 or is_eval or checkpoints.due(state.step) or signum:
+                # every loss is checked before any save, so the checkpoint stays the last good one
                 last = flush_steps(pending, window_start, first_step, tokens_per_step, raw_model, peak, metrics)
                 if world.master:
                     log_step(last, cfg.max_iters)
                 pending = []
-                if is_eval:
-                    evaluate_and_save(model, eval_sets, state, ctx, cfg, world, metrics, ckpt_path)
-                if is_save and state.saved_step != state.step:
-                    save_run(ckpt_path, state, cfg, world)
+                val_loss = evaluate_and_log(model, eval_sets, state.step, ctx, cfg, world, metrics) if is_eval else None
+                checkpoints.save(state, val_loss, signum)
                 if signum:
-                    if state.saved_step != state.step:
-                        save_run(ckpt_path, state, cfg, world)
                     if world.master:
-                        log(f"stopped by signal {signum} after step {state.step}; checkpoint saved to {ckpt_path}; "
-                            f"continue with --init_from=auto (or resume)")
+                        log(f"stopped by signal {signum} after step {state.step}; checkpoint saved to "
+                            f"{checkpoints.path}; continue with --init_from=auto (or resume)")
                     return 128 + signum
                 window_start = time.perf_counter()
-        if state.saved_step != state.step:
-            save_run(ckpt_path, state, cfg, world)
-        if world.master:
-            mark_done(cfg.out_dir, state, ckpt_path)
+        checkpoints.finish(state)
         return 0
     except NonFiniteError as e:
-        kept = ("no checkpoint was saved" if state.saved_step is None else
-                f"{ckpt_path} keeps the last good checkpoint (step {state.saved_step})")
-        raise NonFiniteError(f"{e}; stopping, {kept}") from None
+        raise NonFiniteError(f"{e}; stopping, {checkpoints.kept()}") from None
     finally:
+        checkpoints.close()
         stop.restore()
         metrics.close()
-
-
-def mark_done(out_dir, state, ckpt_path):
-    with open(os.path.join(out_dir, DONE_FILE), "w", encoding="utf-8") as f:
-        f.write(f"{state.step}\n")
-    log(f"done: step {state.step}, best val loss {state.best_val_loss:.4f}, checkpoint {ckpt_path}")
 
 
 def usage():

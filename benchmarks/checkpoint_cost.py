@@ -1,64 +1,138 @@
-"""What one checkpoint costs a run: the bytes of ckpt.pt and the seconds train.py's save takes
-(rank 0 writes the model, AdamW's two moments, the RNG states; temp file, fsync, rename), and
-the seconds a resume takes to load it, for each size, on this machine's disk.
+"""What one checkpoint costs a run, on this machine's disk, through the run's own checkpoint manager
+(checkpoint.CheckpointManager, as train.py saves).
 
     python -m benchmarks.checkpoint_cost --sizes M L --residual mhclite --out_dir out/ckpt_cost
 
-The numbers decide --ckpt_interval: a save every k steps costs save_s / k per step, and a lost
+One process: the bytes of ckpt.pt, the seconds a save takes (rank 0 writes the model, AdamW's two
+moments, the RNG states; temp file, fsync, rename) and the seconds a resume takes to load it.
+
+    python -m benchmarks.checkpoint_cost --sharded --sizes S --out_dir out/ckpt_cost
+
+Two gloo processes on CPU, the model sharded (parallelize.apply_fsdp): how long a sharded save
+(ckpt.dcp) blocks the training loop, synchronous against asynchronous, and how long until the
+checkpoint is published; the slowest rank of each save.
+
+The numbers decide --ckpt_interval: a save every k steps costs its stall / k per step, and a lost
 worker costs up to k steps (docs/training.md).
 """
 
 import argparse
 import os
+import shutil
+import socket
 import sys
 import time
+import types
 
 import torch
+import torch.distributed as dist
 
-import train
-from checkpoint import load_checkpoint
+from checkpoint import CheckpointManager, TrainState, load_checkpoint
 from config import load_config
-from model import GPT
+from model import GPT, GPTConfig, model_shape
 
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", nargs="+", default=["M", "L"], help="model sizes (tiny, S, M, L)")
     parser.add_argument("--residual", default="mhclite", help="res, hc, mhc or mhclite")
-    parser.add_argument("--repeats", type=int, default=2, help="saves per size; each is printed")
-    parser.add_argument("--out_dir", required=True, help="folder on the disk to measure (a file per size)")
+    parser.add_argument("--repeats", type=int, default=2, help="saves per size (and mode); each is printed")
+    parser.add_argument("--sharded", action="store_true", help="two sharded processes: the stall of a sharded save, "
+                                                               "synchronous and asynchronous")
+    parser.add_argument("--out_dir", required=True, help="folder on the disk to measure (a folder per size)")
     return parser.parse_args(argv)
+
+
+def run_state(size, residual, out_dir, sharded):
+    """The config, the model with AdamW's full state (one step on zero gradients) and its TrainState."""
+    cfg = load_config([f"--size={size}", f"--residual={residual}", "--device=cpu", f"--out_dir={out_dir}",
+                       f"--parallel={'fsdp' if sharded else 'ddp'}"])
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(residual=cfg.residual, n_streams=cfg.n_streams, block_size=cfg.block_size,
+                          **model_shape(size)))
+    if sharded:
+        from parallelize import apply_fsdp
+        apply_fsdp(model)
+    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), "cpu")
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    return cfg, TrainState(model, optimizer, torch.Generator().manual_seed(cfg.seed))
+
+
+def to_stderr(line):
+    print(line, file=sys.stderr, flush=True)
+
+
+def single_file(args):
+    world = types.SimpleNamespace(ddp=False, rank=0, size=1, device=torch.device("cpu"), sharded=False, master=True)
+    print("| size | parameters | ckpt.pt | save (s) | load (s) |")
+    print("|---|---|---|---|---|")
+    for size in args.sizes:
+        folder = os.path.join(args.out_dir, size)
+        cfg, state = run_state(size, args.residual, folder, sharded=False)
+        os.makedirs(folder, exist_ok=True)
+        checkpoints = CheckpointManager(cfg, world, to_stderr)
+        saves = []
+        for repeat in range(args.repeats):
+            state.step = repeat + 1
+            start = time.perf_counter()
+            checkpoints.save(state, force=True)
+            saves.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        load_checkpoint(checkpoints.path)
+        load_s = time.perf_counter() - start
+        print(f"| {size} | {state.model.get_num_params() / 1e6:.0f}M | {os.path.getsize(checkpoints.path) / 1e9:.2f} GB | "
+              f"{' / '.join(f'{s:.1f}' for s in saves)} | {load_s:.1f} |", flush=True)
+        shutil.rmtree(folder)
+
+
+def sharded_worker(rank, args, port):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    world = types.SimpleNamespace(ddp=True, rank=rank, size=2, device=torch.device("cpu"), sharded=True,
+                                  master=rank == 0)
+    if rank == 0:
+        print("| size | parameters | mode | loop blocked (s) | until published (s) |")
+        print("|---|---|---|---|---|")
+    for size in args.sizes:
+        for asynchronous in (False, True):
+            folder = os.path.join(args.out_dir, size)
+            cfg, state = run_state(size, args.residual, folder, sharded=True)
+            if rank == 0:
+                os.makedirs(folder, exist_ok=True)
+            dist.barrier()
+            checkpoints = CheckpointManager(cfg, world, to_stderr, asynchronous=asynchronous)
+            for repeat in range(args.repeats):
+                state.step = repeat + 1
+                dist.barrier()
+                start = time.perf_counter()
+                checkpoints.save(state, force=True)  # what the loop waits for
+                blocked = time.perf_counter() - start
+                checkpoints.wait()
+                published = time.perf_counter() - start
+                times = torch.tensor([blocked, published], dtype=torch.float64)
+                dist.all_reduce(times, op=dist.ReduceOp.MAX)
+                if rank == 0:
+                    print(f"| {size} | {state.model.get_num_params() / 1e6:.0f}M | "
+                          f"{'asynchronous' if asynchronous else 'synchronous'} | {times[0]:.2f} | {times[1]:.2f} |",
+                          flush=True)
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(folder)
+    dist.destroy_process_group()
 
 
 def main(argv=None):
     args = parse_args(argv)
     os.makedirs(args.out_dir, exist_ok=True)
-    world = train.World(ddp=False, rank=0, size=1, device=torch.device("cpu"))
-    print("| size | parameters | ckpt.pt | save (s) | load (s) |")
-    print("|---|---|---|---|---|")
-    for size in args.sizes:
-        cfg = load_config([f"--size={size}", f"--residual={args.residual}", "--device=cpu",
-                           f"--out_dir={args.out_dir}"])
-        torch.manual_seed(0)
-        model = GPT(train.build_model_config(cfg, train.GPT2_PADDED_VOCAB))
-        optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), "cpu")
-        for p in model.parameters():  # one step on zero gradients creates AdamW's full state
-            p.grad = torch.zeros_like(p)
-        optimizer.step()
-        state = train.TrainState(model, optimizer, train.make_generator(cfg.seed, train.TRAIN_STREAM), step=1)
-        path = os.path.join(args.out_dir, f"ckpt-{size}.pt")
-        saves = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            train.save_run(path, state, cfg, world)
-            saves.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        load_checkpoint(path)
-        load_s = time.perf_counter() - start
-        print(f"| {size} | {model.get_num_params() / 1e6:.0f}M | {os.path.getsize(path) / 1e9:.2f} GB | "
-              f"{' / '.join(f'{s:.1f}' for s in saves)} | {load_s:.1f} |", flush=True)
-        os.remove(path)
-        del model, optimizer, state
+    if not args.sharded:
+        single_file(args)
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(sharded_worker, args=(args, port), nprocs=2)
 
 
 if __name__ == "__main__":
