@@ -50,6 +50,7 @@ RUN_IDENTITY_KEYS = ("residual", "size", "n_streams")
 EXECUTION_KEYS = ("fused_connections",)
 # The marker file train.py writes into out_dir when a run reaches max_iters; it holds that step.
 DONE_FILE = "done"
+KEPT_FILE = re.compile(r"ckpt\.(\d+)\.pt")  # an older checkpoint kept beside ckpt.pt (--keep_checkpoints)
 
 
 class CheckpointError(Exception):
@@ -118,6 +119,25 @@ def _locked_temp_file(path):
         f.close()  # a cleaner removed it before we held the lock; take a fresh one
 
 
+def keep_previous(path, step):
+    """Before ckpt.pt (path) is replaced, keep its checkpoint of `step` as ckpt.<step>.pt: a second
+    name for the same file (a copy where the filesystem has no hard links)."""
+    kept = os.path.join(os.path.dirname(os.path.abspath(path)), f"ckpt.{step}.pt")
+    if os.path.isfile(path) and not os.path.exists(kept):
+        try:
+            os.link(path, kept)
+        except OSError:
+            shutil.copyfile(path, kept)
+
+
+def remove_stale_kept(out_dir, keep):
+    """Delete the ckpt.<step>.pt files beyond the newest keep - 1 (ckpt.pt is the newest)."""
+    names = sorted((m for m in map(KEPT_FILE.fullmatch, os.listdir(out_dir)) if m), key=lambda m: int(m[1]))
+    for m in names[:max(len(names) - (keep - 1), 0)]:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(out_dir, m[0]))
+
+
 def remove_stale_temp_files(path):
     """Delete the temporary files that save_checkpoint(path, ...) left when its process died
     mid-save (kill -9, out of memory, a lost node); each is as large as a checkpoint. A file
@@ -163,13 +183,33 @@ def finished_step(out_dir):
         return None
 
 
+def disk_bytes(paths):
+    """Bytes of the files at paths (files, or folders read through a link once), each file counted
+    once however many names or links reach it: what the disk really holds for them."""
+    seen, total = set(), 0
+    for path in paths:
+        if os.path.isdir(path):
+            files = [entry.path for entry in os.scandir(os.path.realpath(path)) if entry.is_file()]
+        else:
+            files = [path] if os.path.isfile(path) else []
+        for file in files:
+            st = os.stat(file)
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_size
+    return total
+
+
 def checkpoint_bytes(path):
     """The size of the checkpoint at path, a file or a sharded folder (0 when there is none)."""
-    if not has_checkpoint(path):
-        return 0
-    if os.path.isfile(path):
-        return os.path.getsize(path)
-    return sum(entry.stat().st_size for entry in os.scandir(os.path.realpath(path)) if entry.is_file())
+    return disk_bytes([path]) if has_checkpoint(path) else 0
+
+
+def run_checkpoints(out_dir):
+    """Every checkpoint kept in out_dir: ckpt.pt, ckpt.<step>.pt, ckpt.dcp and its ckpt.dcp.* folders."""
+    names = os.listdir(out_dir) if os.path.isdir(out_dir) else []
+    single = [name for name in names if name == "ckpt.pt" or KEPT_FILE.fullmatch(name)]
+    return [os.path.join(out_dir, name) for name in single + [SHARDED_NAME] + sharded_folders(out_dir)]
 
 
 def free_bytes(directory):
@@ -180,13 +220,16 @@ def free_bytes(directory):
 
 def low_space_warning(path):
     """A warning line when the folder of path has less free space than the checkpoint there takes:
-    the next save writes a new one beside it before the old one goes, and would fail. None otherwise."""
+    the next save writes a new one beside the kept ones before the oldest goes, and would fail.
+    None otherwise."""
     size = checkpoint_bytes(path)
     directory = os.path.dirname(os.path.abspath(path))
     free = free_bytes(directory)
     if free >= size:
         return None
-    return (f"warning: {directory} has {free / 1e6:.1f} MB free, less than the {size / 1e6:.1f} MB of {path}; "
+    total = disk_bytes(run_checkpoints(directory))
+    kept = f" (with the checkpoints kept beside it, {total / 1e6:.1f} MB)" if total > size else ""
+    return (f"warning: {directory} has {free / 1e6:.1f} MB free, less than the {size / 1e6:.1f} MB of {path}{kept}; "
             f"the next checkpoint save will fail with a full disk unless space is freed")
 
 
@@ -254,6 +297,43 @@ def check_same_run(ckpt, config, path):
         theirs = " ".join(f"{k}={saved.get(k)}" for k in RUN_IDENTITY_KEYS)
         ours = " ".join(f"{k}={config.get(k)}" for k in RUN_IDENTITY_KEYS)
         raise CheckpointError(f"{path} was trained with {theirs}, but this run asks for {ours}")
+
+
+# Settings a resume keeps from the checkpoint, and what each fixes.
+KEPT_ON_RESUME = {"seed": "the eval batches and the model's seeded choices",
+                  "dataset": "the corpus the data position refers to"}
+# Settings a resume takes from this run, saying so: the optimizer's, the schedule's and the batch's.
+APPLIED_ON_RESUME = ("learning_rate", "min_lr", "warmup_iters", "weight_decay", "beta1", "beta2", "grad_clip",
+                     "batch_size", "gradient_accumulation_steps", "eval_iters")
+
+
+def check_same_data(ckpt, config, path):
+    """Refuse to resume with another seed or dataset: both are what the run's data is (settings
+    a checkpoint predates are not checked)."""
+    saved = ckpt["config"]
+    for key, fixes in KEPT_ON_RESUME.items():
+        if key in saved and saved[key] != config.get(key):
+            raise CheckpointError(f"{path} was trained with {key}={saved[key]}, but this run asks for "
+                                  f"{key}={config.get(key)}; a resume keeps the {key} ({fixes}): pass "
+                                  f"--{key}={saved[key]}, or start a new run in another --out_dir")
+
+
+def resume_notes(ckpt, cfg):
+    """The lines a resume prints about settings that differ from the checkpoint's run: the
+    schedule's horizon when lr_decay_iters moved, and the optimizer, schedule and batch settings
+    that take this run's values from the next step on."""
+    saved, notes = ckpt["config"], []
+    if saved.get("lr_decay_iters", cfg.lr_decay_iters) != cfg.lr_decay_iters:
+        notes.append(f"note: resuming with lr_decay_iters={cfg.lr_decay_iters} (max_iters={cfg.max_iters}) where the "
+                     f"checkpoint's run had lr_decay_iters={saved['lr_decay_iters']} (max_iters={saved['max_iters']}): "
+                     f"the cosine schedule's horizon moves; pass --lr_decay_iters={saved['lr_decay_iters']} "
+                     f"to keep the old schedule")
+    changed = [f"{key}={getattr(cfg, key)} (was {saved[key]})" for key in APPLIED_ON_RESUME
+               if key in saved and saved[key] != getattr(cfg, key)]
+    if changed:
+        notes.append(f"note: resuming with settings that differ from the checkpoint's run, applied from step "
+                     f"{ckpt['step'] + 1} on: {', '.join(changed)}")
+    return notes
 
 
 def check_same_model(ckpt, model_args, path):
@@ -467,6 +547,38 @@ def remove_stale_sharded(out_dir, keep=1):
     return len(stale)
 
 
+def recover_sharded(out_dir, keep=1):
+    """Make out_dir's sharded checkpoints usable again at a start, before anything reads them;
+    returns what it did, as lines. A ckpt.dcp that is a folder (a run copied with `cp -rL`, or
+    to a filesystem without links) becomes the folder of its step, and the link names it; the
+    newest complete ckpt.dcp.<step> folder becomes the linked one (a save killed after its write
+    and before the link swap left it unlinked); folders beyond the kept ones are removed."""
+    link, lines = sharded_path(out_dir), []
+    if os.path.isdir(link) and not os.path.islink(link) and is_complete_sharded(link):
+        step = load_checkpoint(os.path.join(link, RUN_STATE_FILE), required=("step",))["step"]
+        same = os.path.join(out_dir, f"{SHARDED_NAME}.{step}")
+        if is_complete_sharded(same):  # `cp -rL` copied the linked folder twice
+            shutil.rmtree(link)
+        else:
+            os.rename(link, os.path.join(out_dir, _fresh_folder_name(out_dir, step)))
+        lines.append(f"{link} was a folder, not a link (a copy that followed links): its checkpoint of step {step} "
+                     f"is linked again")
+    complete = [name for name in sharded_folders(out_dir) if is_complete_sharded(os.path.join(out_dir, name))]
+    if os.path.isdir(link) and not os.path.islink(link):
+        return lines  # an incomplete copy: not ours to touch; loading it says what is wrong
+    live = os.path.basename(os.readlink(link)) if os.path.islink(link) else None
+    if complete and complete[-1] != live:
+        if not lines:
+            lines.append(f"using {complete[-1]}, the newest complete checkpoint in {out_dir}, which a killed save "
+                         f"left unlinked")
+        _point_link(out_dir, complete[-1])
+    removed = remove_stale_sharded(out_dir, keep) if complete else 0
+    if removed:
+        lines.append(f"removed {removed} checkpoint folder(s) in {out_dir} beyond the {keep} kept, left by saves "
+                     f"that were killed, failed or replaced")
+    return lines
+
+
 def load_sharded_run(path):
     """The run state of the sharded checkpoint folder `path` (its dict without model and
     optimizer); raises CheckpointError with one line."""
@@ -627,26 +739,29 @@ class CheckpointManager:
             return None
         ckpt = load_sharded_run(self.path) if self.world.sharded else load_checkpoint(self.path)
         check_same_run(ckpt, dataclasses.asdict(cfg), self.path)
-        saved = ckpt["config"]
-        if self.world.master and saved["lr_decay_iters"] != cfg.lr_decay_iters:
-            self.log(f"note: resuming with lr_decay_iters={cfg.lr_decay_iters} (max_iters={cfg.max_iters}) where the "
-                     f"checkpoint's run had lr_decay_iters={saved['lr_decay_iters']} (max_iters={saved['max_iters']}): "
-                     f"the cosine schedule's horizon moves; pass --lr_decay_iters={saved['lr_decay_iters']} "
-                     f"to keep the old schedule")
+        check_same_data(ckpt, dataclasses.asdict(cfg), self.path)
+        if self.world.master:
+            for line in resume_notes(ckpt, cfg):
+                self.log(line)
         return ckpt
 
     def _start_mode(self):
         """"scratch", "resume", or "finished" (auto on a run whose `done` marker reached max_iters).
-        For auto, rank 0 looks into out_dir and tells the others, so that every rank goes the same
+        Rank 0 first repairs the sharded checkpoints a copy or a killed save left (recover_sharded),
+        then for auto looks into out_dir, and tells the others, so that every rank goes the same
         way, or raises the same error."""
-        if self.cfg.init_from != "auto":
-            return self.cfg.init_from
         decision = [None]
         if self.world.master:
             try:
-                decision = [(self._auto_start_mode(), None)]
+                if self.world.sharded and self.cfg.init_from != "scratch":
+                    for line in recover_sharded(self.cfg.out_dir, self.cfg.keep_checkpoints):
+                        self.log(line)
+                mode = self._auto_start_mode() if self.cfg.init_from == "auto" else self.cfg.init_from
+                decision = [(mode, None)]
             except CheckpointError as e:
                 decision = [(None, str(e))]
+            except OSError as e:
+                decision = [(None, f"cannot repair the checkpoints in {self.cfg.out_dir}: {one_line(e)}")]
         if self.world.ddp:
             dist.broadcast_object_list(decision, src=0)
         mode, error = decision[0]
@@ -672,6 +787,7 @@ class CheckpointManager:
     def restore(self, state, ckpt):
         """Continue from a checkpoint whose weights the model already holds, or for a sharded model
         from the sharded checkpoint, read into its shards with the optimizer state."""
+        settings = [dict(weight_decay=group["weight_decay"], betas=group["betas"]) for group in state.optimizer.param_groups]
         if self.world.sharded:
             load_sharded(self.path, state.model, state.optimizer)
         elif "optimizer" not in ckpt:
@@ -679,6 +795,8 @@ class CheckpointManager:
                                   f"the run from its ckpt.dcp with --parallel=fsdp")
         else:
             state.optimizer.load_state_dict(ckpt["optimizer"])
+        for group, values in zip(state.optimizer.param_groups, settings):
+            group.update(values)  # this run's settings, not the checkpoint's (resume_notes says which changed)
         state.train_generator.set_state(ckpt["data_state"]["train_generator"])
         set_rng_state(ckpt["rng"][self.world.rank % len(ckpt["rng"])], self.world.device)  # the world size may change
         state.step, state.best_val_loss = ckpt["step"], ckpt["best_val_loss"]
@@ -734,8 +852,11 @@ class CheckpointManager:
                 self.in_flight = start_sharded_save(self.path, state.model, state.optimizer, run_state,
                                                     self.cfg.keep_checkpoints, self.group, self.asynchronous)
             elif self.world.master:
+                if self.cfg.keep_checkpoints > 1 and self.saved_step is not None:
+                    keep_previous(self.path, self.saved_step)
                 save_checkpoint(self.path, dict(model=state.model.state_dict(),
                                                  optimizer=state.optimizer.state_dict(), **run_state))
+                remove_stale_kept(self.cfg.out_dir, self.cfg.keep_checkpoints)
         except Exception as e:  # torch's writer raises RuntimeError as well as OSError
             error = e
         self._raise_if_failed(error, state.step)

@@ -137,3 +137,35 @@ def test_a_writer_whose_fresh_temp_file_a_cleaner_deleted_takes_another(tmp_path
     assert len(calls) == 2 and not os.path.exists(calls[0])
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 5
     assert os.listdir(tmp_path) == ["ckpt.pt"]
+
+
+def test_keep_checkpoints_keeps_the_newest_files_beside_ckpt_pt(data_dir, tmp_path):
+    """Saves at steps 0, 2, 4 and 6 with --keep_checkpoints=2: ckpt.pt holds step 6, ckpt.4.pt step 4
+    (the file that was ckpt.pt, under a second name), and nothing older stays."""
+    from test_train import tiny_args
+    out = tmp_path / "run"
+    train.main(tiny_args(data_dir, out, n_layer=1, n_embd=32, max_iters=6, eval_interval=2, keep_checkpoints=2))
+    assert sorted(p.name for p in out.glob("ckpt*")) == ["ckpt.4.pt", "ckpt.pt"]
+    assert load_checkpoint(str(out / "ckpt.pt"))["step"] == 6 and load_checkpoint(str(out / "ckpt.4.pt"))["step"] == 4
+
+
+def test_the_low_space_warning_counts_each_file_on_disk_once(tmp_path, monkeypatch):
+    """The next save needs room for one more checkpoint: the newest, read through the ckpt.dcp link
+    once; the kept ones are named beside it, a file reached by two names counted once."""
+    for name, size in (("ckpt.dcp.3", 1_000_000), ("ckpt.dcp.5", 2_000_000)):
+        folder = tmp_path / name
+        folder.mkdir()
+        for file in (".metadata", "run.pt"):
+            (folder / file).write_bytes(b"")
+        (folder / "__0_0.distcp").write_bytes(b"\0" * size)
+    os.symlink("ckpt.dcp.5", tmp_path / "ckpt.dcp")
+    os.link(tmp_path / "ckpt.dcp.5" / "__0_0.distcp", tmp_path / "ckpt.dcp.5" / "second_name")
+    link = str(tmp_path / "ckpt.dcp")
+    assert checkpoint.checkpoint_bytes(link) == 2_000_000
+    assert checkpoint.disk_bytes(checkpoint.run_checkpoints(str(tmp_path))) == 3_000_000
+    monkeypatch.setattr(checkpoint, "free_bytes", lambda directory: 1_500_000)
+    assert checkpoint.low_space_warning(link) == (
+        f"warning: {tmp_path} has 1.5 MB free, less than the 2.0 MB of {link} (with the checkpoints kept beside it, "
+        f"3.0 MB); the next checkpoint save will fail with a full disk unless space is freed")
+    monkeypatch.setattr(checkpoint, "free_bytes", lambda directory: 2_000_000)
+    assert checkpoint.low_space_warning(link) is None

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -373,3 +374,77 @@ def test_settings_the_sharded_mode_cannot_serve_are_one_line(data_dir, tmp_path,
     assert "--compile_mode=blocks" in line and not (tmp_path / "b").exists()
     line = one_error_line(train.main, tiny_args(data_dir, tmp_path / "c", parallel="zero"), capsys)
     assert "parallel" in line
+
+
+@pytest.mark.slow
+def test_a_sharded_save_writes_while_training_goes_on(runs, data_dir, tmp_path, monkeypatch):
+    """The sharded save is asynchronous: the step-0 save's shards are written only once step 1 has
+    begun (a synchronous save would wait here for the timeout), and the run still trains as the
+    one-process run does, every checkpoint complete."""
+    stepped, overlapped = threading.Event(), []
+    real_write, real_step = dcp.FileSystemWriter.write_data, train.train_step
+
+    def write_data(self, *args, **kwargs):
+        overlapped.append(stepped.wait(timeout=10))
+        return real_write(self, *args, **kwargs)
+
+    def train_step(*args):
+        stepped.set()
+        return real_step(*args)
+
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", write_data)
+    monkeypatch.setattr(train, "train_step", train_step)
+    out = tmp_path / "run"
+    with one_process_world():
+        train.main(tiny_args(data_dir, out, residual="res", parallel="fsdp", **SHARED))
+    assert overlapped == [True] * 3  # steps 0, 5 and 10
+    assert_same_trajectory(runs["res"][0], out)
+    assert checkpoint.load_sharded_run(str(out / "ckpt.dcp"))["step"] == 10 and (out / "done").read_text() == "10\n"
+    assert sorted(p.name for p in out.glob("ckpt.dcp*")) == ["ckpt.dcp", "ckpt.dcp.10"]
+
+
+def continue_sharded(data_dir, out, **overrides):
+    """Continue a sharded res run of `runs` in this process to step 12 (schedule unchanged)."""
+    with one_process_world():
+        train.main(tiny_args(data_dir, out, residual="res", parallel="fsdp", init_from="auto",
+                             **dict(SHARED, max_iters=12, eval_interval=6, **overrides)))
+
+
+@pytest.mark.slow
+def test_a_sharded_run_copied_without_its_links_continues_and_saves(runs, data_dir, tmp_path, capsys):
+    copy = tmp_path / "copy"
+    shutil.copytree(runs["res"][1], copy)  # links followed, as `cp -rL` does: ckpt.dcp becomes a folder
+    assert (copy / "ckpt.dcp").is_dir() and not (copy / "ckpt.dcp").is_symlink()
+    capsys.readouterr()
+    continue_sharded(data_dir, copy)
+    printed = capsys.readouterr().out
+    assert f"{copy / 'ckpt.dcp'} was a folder, not a link" in printed and "resuming at step 10 of 12" in printed
+    assert os.readlink(copy / "ckpt.dcp") == "ckpt.dcp.12"
+    assert sorted(p.name for p in copy.glob("ckpt.dcp*")) == ["ckpt.dcp", "ckpt.dcp.12"]
+    assert checkpoint.load_sharded_run(str(copy / "ckpt.dcp"))["step"] == 12
+    assert [r["step"] for r in read_metrics(copy)[0]] == list(range(1, 13))
+
+
+@pytest.mark.slow
+def test_a_complete_folder_a_killed_save_left_unlinked_is_used_and_the_others_removed(runs, data_dir, tmp_path,
+                                                                                     capsys):
+    """--keep_checkpoints=2 keeps ckpt.dcp.10 beside ckpt.dcp.12; then a save killed between its
+    write and the link swap is staged: the link back on ckpt.dcp.10, a newer folder without its
+    index. The next start links ckpt.dcp.12 (the newest complete one) and removes the rest."""
+    out = tmp_path / "run"
+    shutil.copytree(runs["res"][1], out, symlinks=True)
+    continue_sharded(data_dir, out, keep_checkpoints=2)
+    assert sorted(p.name for p in out.glob("ckpt.dcp*")) == ["ckpt.dcp", "ckpt.dcp.10", "ckpt.dcp.12"]
+    assert checkpoint.load_sharded_run(str(out / "ckpt.dcp.10"))["step"] == 10
+    os.unlink(out / "ckpt.dcp")
+    os.symlink("ckpt.dcp.10", out / "ckpt.dcp")
+    (out / "ckpt.dcp.14").mkdir()
+    (out / "ckpt.dcp.14" / "__0_0.distcp").write_bytes(b"\0" * 100)
+    (out / "done").unlink()
+    capsys.readouterr()
+    continue_sharded(data_dir, out)
+    printed = capsys.readouterr().out
+    assert "using ckpt.dcp.12, the newest complete checkpoint" in printed and "resuming at step 12 of 12" in printed
+    assert "removed 2 checkpoint folder(s)" in printed
+    assert os.readlink(out / "ckpt.dcp") == "ckpt.dcp.12" and (out / "done").read_text() == "12\n"
+    assert sorted(p.name for p in out.glob("ckpt.dcp*")) == ["ckpt.dcp", "ckpt.dcp.12"]

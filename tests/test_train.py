@@ -4,6 +4,7 @@ non-finite loss, damaged checkpoints and the one-line errors."""
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 import train
-from checkpoint import CheckpointError, load_checkpoint, load_model, save_checkpoint
+from checkpoint import CheckpointError, CheckpointManager, load_checkpoint, load_model, save_checkpoint
 from config import REPO_DIR, load_config
 from conftest import assert_one_error_line, one_error_line
 
@@ -473,3 +474,83 @@ def test_sweep_authors_option_adds_the_config_and_its_own_run_directories(tmp_pa
     for residual, command in zip(("res", "hc", "mhc", "mhclite"), commands):
         assert f"configs/{residual}.py configs/authors.py --seed=1337" in command
         assert f"--out_dir={tmp_path}/openwebtext-S-{residual}-authors-s1337" in command.split()
+
+
+# ----------------------------------------------------------------------------------------------
+# Resuming with changed settings: applied and said, or refused (docs/training.md's table)
+
+
+@pytest.fixture(scope="module")
+def two_step_run(data_dir, tmp_path_factory):
+    """A finished 2-step run (one layer) to resume with other settings; each test resumes a copy."""
+    out = tmp_path_factory.mktemp("changed") / "run"
+    train.main(tiny_args(data_dir, out, n_layer=1, n_embd=32, max_iters=2, eval_interval=2))
+    return out
+
+
+def resume_copy(two_step_run, data_dir, tmp_path, **overrides):
+    out = tmp_path / "run"
+    shutil.copytree(two_step_run, out)
+    return tiny_args(data_dir, out, **dict(dict(n_layer=1, n_embd=32, max_iters=4, lr_decay_iters=2,
+                                                 eval_interval=2, init_from="resume"), **overrides))
+
+
+def notes(printed):
+    return [line for line in printed.splitlines() if line.startswith("note:")]
+
+
+def test_resumed_optimizer_settings_are_applied_and_said(two_step_run, data_dir, tmp_path, capsys, monkeypatch):
+    """AdamW's state_dict carries its param groups' weight decay and betas: loading it alone would
+    keep the checkpoint's 0.1 / (0.9, 0.95) while config.json says otherwise."""
+    seen, real_restore = [], CheckpointManager.restore
+
+    def restore(self, state, ckpt):
+        real_restore(self, state, ckpt)
+        seen.append([(group["weight_decay"], tuple(group["betas"])) for group in state.optimizer.param_groups])
+
+    monkeypatch.setattr(CheckpointManager, "restore", restore)
+    saved_groups = load_checkpoint(str(two_step_run / "ckpt.pt"))["optimizer"]["param_groups"]
+    assert [(g["weight_decay"], tuple(g["betas"])) for g in saved_groups] == [(0.1, (0.9, 0.95)), (0.0, (0.9, 0.95))]
+    capsys.readouterr()
+    args = resume_copy(two_step_run, data_dir, tmp_path, weight_decay=0.5, beta1=0.8, beta2=0.99, grad_clip=0.5)
+    train.main(args)
+    assert seen == [[(0.5, (0.8, 0.99)), (0.0, (0.8, 0.99))]]
+    assert notes(capsys.readouterr().out) == [
+        "note: resuming with settings that differ from the checkpoint's run, applied from step 3 on: "
+        "weight_decay=0.5 (was 0.1), beta1=0.8 (was 0.9), beta2=0.99 (was 0.95), grad_clip=0.5 (was 1.0)"]
+    final = load_checkpoint(str(tmp_path / "run" / "ckpt.pt"))
+    assert [(g["weight_decay"], tuple(g["betas"])) for g in final["optimizer"]["param_groups"]] == [
+        (0.5, (0.8, 0.99)), (0.0, (0.8, 0.99))]
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["weight_decay"] == 0.5
+
+
+def test_resumed_schedule_and_batch_settings_are_applied_and_said(two_step_run, data_dir, tmp_path, capsys):
+    capsys.readouterr()
+    train.main(resume_copy(two_step_run, data_dir, tmp_path, learning_rate=2e-3, min_lr=1e-4, warmup_iters=1,
+                           batch_size=2, gradient_accumulation_steps=1))
+    printed = capsys.readouterr().out
+    assert notes(printed) == [
+        "note: resuming with settings that differ from the checkpoint's run, applied from step 3 on: "
+        "learning_rate=0.002 (was 0.003), min_lr=0.0001 (was 0.0003), warmup_iters=1 (was 4), "
+        "batch_size=2 (was 4), gradient_accumulation_steps=1 (was 2)"]
+    assert "64 tokens/step" in printed  # 2 sequences of 32 tokens, one micro-step
+    train_records, _ = read_metrics(tmp_path / "run")
+    assert [r["lr"] for r in train_records[2:]] == [1e-4, 1e-4]  # past lr_decay_iters: the new min_lr
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (dict(seed=7), ("seed=1337", "seed=7", "--seed=1337")),
+    (dict(dataset="toy2"), ("dataset=toy", "dataset=toy2", "--dataset=toy")),
+    (dict(n_layer=2), ("a different model", "n_layer: checkpoint 1 vs run 2")),
+])
+def test_resumed_seed_dataset_and_model_changes_are_refused_in_one_line(two_step_run, data_dir, tmp_path, capsys,
+                                                                        overrides, words):
+    if "dataset" in overrides:  # the same corpus under another name
+        shutil.copytree(data_dir / "toy", tmp_path / "data" / "toy2")
+        data_dir = tmp_path / "data"
+    args = resume_copy(two_step_run, data_dir, tmp_path, **overrides)
+    before = sorted(os.listdir(tmp_path / "run"))
+    capsys.readouterr()
+    one_error_line(train.main, args, capsys, *words, alone=False)
+    assert sorted(os.listdir(tmp_path / "run")) == before
+    assert load_checkpoint(str(tmp_path / "run" / "ckpt.pt"))["step"] == 2
