@@ -388,13 +388,14 @@ def save_sharded(path, model, optimizer, run_state, keep=1):
     start_sharded_save(path, model, optimizer, run_state, keep).finish()
 
 
-def start_sharded_save(path, model, optimizer, run_state, keep=1, group=None, asynchronous=False):
+def start_sharded_save(path, model, optimizer, run_state, keep=1, group=None, stager=None):
     """Start a save to the sharded checkpoint `path`; returns the ShardedSave that publishes it.
     Every rank calls it: rank 0 writes run.pt (run_state: a checkpoint dict without model and
     optimizer) into a new folder `ckpt.dcp.<step>`, then each rank writes its own shards of the
-    model (sharded by parallelize.apply_fsdp) and of its optimizer there. Asynchronous: the shards
-    are copied to CPU memory here and written by a background thread, whose collectives go
-    through `group` (a gloo group apart from training's); the model may train on meanwhile."""
+    model (sharded by parallelize.apply_fsdp) and of its optimizer there. With a stager (DCP's
+    AsyncStager, new_stager) the save is asynchronous: the stager copies the shards into CPU
+    memory here, and a background thread writes them, its collectives going through `group` (a
+    gloo group apart from training's); the model may train on meanwhile."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -422,8 +423,8 @@ def start_sharded_save(path, model, optimizer, run_state, keep=1, group=None, as
                 param_state["step"].zero_()
         state = dict(model=model_state, optimizer=optimizer_state)
         writer = dcp.FileSystemWriter(folder, sync_files=True)
-        if asynchronous:
-            save.future = dcp.async_save(state, storage_writer=writer, process_group=group)
+        if stager is not None:
+            save.future = dcp.async_save(state, storage_writer=writer, process_group=group, async_stager=stager)
         else:
             try:
                 dcp.save(state, storage_writer=writer)
@@ -433,6 +434,14 @@ def start_sharded_save(path, model, optimizer, run_state, keep=1, group=None, as
         save.remove_folder()
         raise
     return save
+
+
+def new_stager(device):
+    """DCP's stager for asynchronous saves: it keeps the CPU copy of each tensor from one save to
+    the next (allocating it anew each time costs more than the copy), pinned for a GPU."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    return DefaultStager(StagingOptions(use_pinned_memory=device.type == "cuda", use_shared_memory=False,
+                                        use_async_staging=False, use_non_blocking_copy=False))
 
 
 class ShardedSave:
@@ -716,6 +725,7 @@ class CheckpointManager:
         self.outcome = None  # (step, exception or None) of a sharded save finished on this rank, not yet shared
         self.asynchronous = asynchronous and world.sharded
         self.group = dist.new_group(backend="gloo") if self.asynchronous and world.ddp else None
+        self.stager = new_stager(world.device) if self.asynchronous else None
 
     # -- the start
 
@@ -786,7 +796,10 @@ class CheckpointManager:
 
     def restore(self, state, ckpt):
         """Continue from a checkpoint whose weights the model already holds, or for a sharded model
-        from the sharded checkpoint, read into its shards with the optimizer state."""
+        from the sharded checkpoint, read into its shards with the optimizer state; returns the step
+        it continues from (None for a fresh start, ckpt None: nothing to do)."""
+        if ckpt is None:
+            return None
         settings = [dict(weight_decay=group["weight_decay"], betas=group["betas"]) for group in state.optimizer.param_groups]
         if self.world.sharded:
             load_sharded(self.path, state.model, state.optimizer)
@@ -801,6 +814,7 @@ class CheckpointManager:
         set_rng_state(ckpt["rng"][self.world.rank % len(ckpt["rng"])], self.world.device)  # the world size may change
         state.step, state.best_val_loss = ckpt["step"], ckpt["best_val_loss"]
         self.saved_step = self.started_step = state.step
+        return state.step
 
     def prepare(self, step):
         """Rank 0, before training from `step`: no stale `done` marker, no temporary files or
@@ -834,6 +848,9 @@ class CheckpointManager:
             self._write(state)
         if signum or last or not self.asynchronous:
             self.wait()
+        if signum and self.world.master:
+            self.log(f"stopped by signal {signum} after step {state.step}; checkpoint saved to {self.path}; "
+                     f"continue with --init_from=auto (or resume)")
         elif self.in_flight is not None and self.in_flight.done():
             self._settle()  # publish it now: the link names the newest checkpoint as early as possible
 
@@ -850,7 +867,7 @@ class CheckpointManager:
         try:
             if self.world.sharded:
                 self.in_flight = start_sharded_save(self.path, state.model, state.optimizer, run_state,
-                                                    self.cfg.keep_checkpoints, self.group, self.asynchronous)
+                                                    self.cfg.keep_checkpoints, self.group, self.stager)
             elif self.world.master:
                 if self.cfg.keep_checkpoints > 1 and self.saved_step is not None:
                     keep_previous(self.path, self.saved_step)
@@ -930,6 +947,8 @@ class CheckpointManager:
         """On any exit: a save still writing completes and is published if it can be, quietly."""
         if self.in_flight is not None:
             self._settle()
+        if self.stager is not None:
+            self.stager.close()
 
 
 def rng_state(device):

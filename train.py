@@ -513,9 +513,7 @@ def train(cfg, world):
     optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
                                                world.device.type)
     state = TrainState(raw_model, optimizer, make_generator(cfg.seed, TRAIN_STREAM))
-    if ckpt is not None:
-        checkpoints.restore(state, ckpt)
-    resume_step = None if ckpt is None else state.step
+    resume_step = checkpoints.restore(state, ckpt)  # None: a fresh start
     del ckpt
     eval_sets = eval_batches(cfg, paths)
     device_ids = [world.device.index] if world.device.type == "cuda" else None
@@ -554,9 +552,6 @@ def train(cfg, world):
                 val_loss = evaluate_and_log(model, eval_sets, state.step, ctx, cfg, world, metrics) if is_eval else None
                 checkpoints.save(state, val_loss, signum)
                 if signum:
-                    if world.master:
-                        log(f"stopped by signal {signum} after step {state.step}; checkpoint saved to "
-                            f"{checkpoints.path}; continue with --init_from=auto (or resume)")
                     return 128 + signum
                 window_start = time.perf_counter()
         checkpoints.finish(state)
