@@ -1,6 +1,7 @@
 """Checkpoints: atomic save, cleanup of temporary files a killed save left, load with one-line
-errors, what a run folder holds (a checkpoint, a finished run), a failed save as one line, and
-model loading for analysis and sampling.
+errors, what a run folder holds (a checkpoint, a finished run), a failed save as one line, model
+loading for analysis and sampling, and CheckpointManager, which runs a training's checkpoints
+(the start decision, restore, when to save, which to keep, the `done` marker).
 
 A checkpoint written by train.py is a dict with keys model (state dict without `_orig_mod.`),
 model_args (GPTConfig as a dict), config (TrainConfig as a dict), optimizer, step,
@@ -11,8 +12,9 @@ torch.load(weights_only=True) and never runs pickled code.
 A sharded checkpoint (train.py --parallel=fsdp) is the folder <out_dir>/ckpt.dcp, a link to the
 newest complete `ckpt.dcp.<step>` folder: torch.distributed.checkpoint's files, one per rank, with
 the model and optimizer state ("model", "optimizer"), and run.pt with everything else of the dict
-above. It loads on any number of processes, or into a plain model in one process (load_model);
-its pickled index is read with an unpickler that builds only DCP's own metadata classes.
+above; a folder is complete once it holds run.pt and DCP's index, .metadata (written last). It
+loads on any number of processes, or into a plain model in one process (load_model); its pickled
+index is read with an unpickler that builds only DCP's own metadata classes.
 """
 
 import contextlib
@@ -800,7 +802,8 @@ class CheckpointManager:
         it continues from (None for a fresh start, ckpt None: nothing to do)."""
         if ckpt is None:
             return None
-        settings = [dict(weight_decay=group["weight_decay"], betas=group["betas"]) for group in state.optimizer.param_groups]
+        settings = [dict(weight_decay=group["weight_decay"], betas=group["betas"])
+                    for group in state.optimizer.param_groups]
         if self.world.sharded:
             load_sharded(self.path, state.model, state.optimizer)
         elif "optimizer" not in ckpt:
@@ -848,11 +851,11 @@ class CheckpointManager:
             self._write(state)
         if signum or last or not self.asynchronous:
             self.wait()
+        elif self.in_flight is not None and self.in_flight.done():
+            self._settle()  # publish it now: the link names the newest checkpoint as early as possible
         if signum and self.world.master:
             self.log(f"stopped by signal {signum} after step {state.step}; checkpoint saved to {self.path}; "
                      f"continue with --init_from=auto (or resume)")
-        elif self.in_flight is not None and self.in_flight.done():
-            self._settle()  # publish it now: the link names the newest checkpoint as early as possible
 
     def _write(self, state):
         rng = [rng_state(self.world.device)]

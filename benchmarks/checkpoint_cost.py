@@ -82,7 +82,8 @@ def single_file(args):
         start = time.perf_counter()
         load_checkpoint(checkpoints.path)
         load_s = time.perf_counter() - start
-        print(f"| {size} | {state.model.get_num_params() / 1e6:.0f}M | {os.path.getsize(checkpoints.path) / 1e9:.2f} GB | "
+        gigabytes = os.path.getsize(checkpoints.path) / 1e9
+        print(f"| {size} | {state.model.get_num_params() / 1e6:.0f}M | {gigabytes:.2f} GB | "
               f"{' / '.join(f'{s:.1f}' for s in saves)} | {load_s:.1f} |", flush=True)
         shutil.rmtree(folder)
 
