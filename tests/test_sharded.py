@@ -448,3 +448,17 @@ def test_a_complete_folder_a_killed_save_left_unlinked_is_used_and_the_others_re
     assert "removed 2 checkpoint folder(s)" in printed
     assert os.readlink(out / "ckpt.dcp") == "ckpt.dcp.12" and (out / "done").read_text() == "12\n"
     assert sorted(p.name for p in out.glob("ckpt.dcp*")) == ["ckpt.dcp", "ckpt.dcp.12"]
+
+
+@pytest.mark.slow
+def test_checkpoint_cost_measures_the_stall_of_sync_and_async_sharded_saves(tmp_path):
+    """benchmarks/checkpoint_cost.py --sharded, which made docs/training.md's stall table: two gloo
+    processes, a row per mode with the time the loop was blocked and the time until published."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.checkpoint_cost", "--sharded", "--sizes", "tiny",
+                           "--residual", "res", "--repeats", "1", "--out_dir", str(tmp_path)], cwd=REPO_DIR,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in proc.stdout.splitlines()[2:]]
+    assert [row[:3] for row in rows] == [["tiny", "7M", "synchronous"], ["tiny", "7M", "asynchronous"]]
+    assert all(0 < float(blocked) <= float(published) for _, _, _, blocked, published in rows)
+    assert os.listdir(tmp_path) == []
