@@ -442,8 +442,9 @@ def new_stager(device):
     """DCP's stager for asynchronous saves: it keeps the CPU copy of each tensor from one save to
     the next (allocating it anew each time costs more than the copy), pinned for a GPU."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-    return DefaultStager(StagingOptions(use_pinned_memory=device.type == "cuda", use_shared_memory=False,
-                                        use_async_staging=False, use_non_blocking_copy=False))
+    # by position, as async_save builds its own (the last field's name differs between torch versions):
+    # pinned memory, shared memory, staging in a thread, non-blocking copies
+    return DefaultStager(StagingOptions(device.type == "cuda", False, False, False))
 
 
 class ShardedSave:
