@@ -23,7 +23,6 @@ import signal
 import sys
 import threading
 import time
-import typing
 from dataclasses import asdict, dataclass, fields
 
 import numpy as np
