@@ -462,3 +462,29 @@ def test_checkpoint_cost_measures_the_stall_of_sync_and_async_sharded_saves(tmp_
     assert [row[:3] for row in rows] == [["tiny", "7M", "synchronous"], ["tiny", "7M", "asynchronous"]]
     assert all(0 < float(blocked) <= float(published) for _, _, _, blocked, published in rows)
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_a_sharded_save_that_fails_in_the_background_is_one_line_at_the_next_save(data_dir, tmp_path, monkeypatch,
+                                                                                 capsys):
+    """The step-5 save's shards fail to write while steps 6 to 10 train: the failure surfaces at the
+    step-10 save, as one line naming step 5 and the step-0 checkpoint kept; nothing of step 5 or 10
+    is left, and the link never moved."""
+    real_write, writes = dcp.FileSystemWriter.write_data, []
+
+    def write_data(self, *args, **kwargs):
+        writes.append(self)
+        if len(writes) == 2:
+            raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+        return real_write(self, *args, **kwargs)
+
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", write_data)
+    out = tmp_path / "run"
+    with one_process_world(), pytest.raises(SystemExit) as info:
+        train.main(tiny_args(data_dir, out, residual="res", parallel="fsdp", **SHARED))
+    assert info.value.code == 3 and len(writes) == 2
+    assert_one_error_line(capsys.readouterr().err, "saving the checkpoint of step 5", "quota is used up (EDQUOT)",
+                          f"{out / 'ckpt.dcp'} keeps the checkpoint of step 0")
+    assert read_metrics(out)[0][-1]["step"] == 10  # the loop trained on while the save failed
+    assert os.readlink(out / "ckpt.dcp") == "ckpt.dcp.0"
+    assert sorted(p.name for p in out.glob("ckpt.dcp*")) == ["ckpt.dcp", "ckpt.dcp.0"] and not (out / "done").exists()
