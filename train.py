@@ -97,8 +97,38 @@ def setup_distributed(cfg):
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if ddp:
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        store = attempt_store(rank, world_size) if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else None
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
+                                world_size=world_size)
     return World(ddp, rank, world_size, device, sharded=cfg.parallel == "fsdp")
+
+
+def attempt_store(rank, world_size):
+    """torchrun's store, which it keeps across restarts and shares with the workers, seen under a
+    key prefix of this attempt's own, so that restarted workers never read the gloo/NCCL addresses
+    a previous attempt left there (pytorch/pytorch#135712). torchrun's restart counts can differ
+    between nodes, so the ranks agree on the prefix through the store: rank 0 takes a new attempt
+    number and gives it to every ticket the other ranks draw, until all of them have joined."""
+    timeout = dist.default_pg_timeout
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                          timeout=timeout)
+    if rank == 0:
+        attempt = store.add("attempts", 1)
+        answered = store.add("answered_tickets", 0)
+        deadline = time.monotonic() + timeout.total_seconds()
+        while store.add(f"attempt{attempt}/joined", 0) < world_size - 1:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"only {store.add(f'attempt{attempt}/joined', 0) + 1} of {world_size} ranks "
+                                   f"joined attempt {attempt} in {timeout}")
+            tickets = store.add("tickets", 0)  # stale tickets of dead processes get an answer nobody reads
+            for ticket in range(answered + 1, tickets + 1):
+                store.set(f"ticket{ticket}", str(attempt))
+            answered = store.add("answered_tickets", tickets - answered)
+            time.sleep(0.01)
+    else:
+        attempt = int(store.get(f"ticket{store.add('tickets', 1)}"))  # waits for rank 0's answer
+        store.add(f"attempt{attempt}/joined", 1)
+    return dist.PrefixStore(f"attempt{attempt}/", store)
 
 
 @contextlib.contextmanager

@@ -2,7 +2,8 @@
 arguments. On torchrun's first launch (TORCHELASTIC_RESTART_COUNT=0), just before optimizer step
 FAULT_BEFORE_STEP, the rank FAULT_RANK either kills itself with SIGKILL (FAULT=sigkill: an
 out-of-memory kill, a lost node) or sends SIGTERM to torchrun (FAULT=sigterm_launcher: what a
-scheduler does before a time limit). Every later launch runs train.py untouched."""
+scheduler does before a time limit). Every later launch runs train.py untouched, rank 1 starting
+RESTART_DELAY seconds late (default 0) so that the other ranks reach torchrun's store first."""
 import os
 import signal
 import sys
@@ -46,4 +47,6 @@ def term_launcher_and_wait():
 
 if os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
     train.train_step = train_step_with_fault
+elif os.environ["RANK"] == "1":
+    time.sleep(float(os.environ.get("RESTART_DELAY", "0")))
 train.main()

@@ -131,10 +131,10 @@ def test_auto_on_a_finished_run_exits_0_and_changes_nothing(data_dir, reference,
 
 
 def torchrun(data_dir, out, script, max_restarts=0, **env):
-    """Two CPU processes under torchrun, on train.py or tests/faulty_worker.py. torch's shared
-    rendezvous store hands restarted gloo workers stale addresses (pytorch/pytorch#135712), so
-    the store is not shared, as docs/training.md tells users to do."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **env)
+    """Two CPU processes under torchrun, on train.py or tests/faulty_worker.py, with torchrun's
+    defaults: its store shared with the workers (no TORCH_DISABLE_SHARE_RDZV_TCP_STORE)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", **env)
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            f"--max-restarts={max_restarts}", "--monitor-interval=0.1",
                            os.path.join(REPO_DIR, script), *run_args(data_dir, out)],
@@ -159,7 +159,7 @@ def test_a_worker_killed_under_torchrun_is_restarted_and_the_run_ends_on_the_uni
     workers with the same command, which resumes."""
     out = tmp_path / "run"
     proc = torchrun(data_dir, out, "tests/faulty_worker.py", max_restarts=1, FAULT="sigkill", FAULT_RANK="1",
-                    FAULT_BEFORE_STEP="6")
+                    FAULT_BEFORE_STEP="6", RESTART_DELAY="2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "exitcode: -9" in proc.stderr  # the kill happened
     assert "resuming at step 4 of 8" in proc.stdout
