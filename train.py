@@ -12,6 +12,7 @@ Config files apply left to right, then --key=value overrides (config.py). Rank 0
 <out_dir>/metrics.jsonl, ckpt.pt and, when finished, the marker file `done`. Exit codes: 0 done (or
 nothing to do), 1 non-finite loss, 2 bad input, 3 a checkpoint save failed (a full disk, permissions;
 the last good checkpoint is kept), 128 + signal number after SIGTERM or SIGINT (checkpoint saved).
+The file `stop` in out_dir stops the run at the next step with a checkpoint and exit code 0.
 """
 
 import contextlib
@@ -48,6 +49,8 @@ PREPARE_COMMANDS = {
 }
 # Generator streams derived from the seed: training batches and the two fixed eval sets.
 TRAIN_STREAM, EVAL_STREAMS = 0, {"train": 1, "val": 2}
+STOP_REQUEST_FILE = "stop"  # in out_dir: stop at the next step boundary, save, exit 0
+STOP_REQUESTED = -1  # StopFlag.agreed() for the request file; signals are positive
 
 
 class DataError(Exception):
@@ -504,12 +507,17 @@ def log(message):
 
 
 class StopFlag:
-    """Records SIGTERM / SIGINT so the loop can stop at the next step boundary, save and exit
-    with 128 + the signal number (torchrun passes the signal on to its workers and itself exits
-    with 1). All ranks agree on it through a CPU (gloo) all-reduce, which never waits for the GPU."""
+    """Stops the loop at the next step boundary, where it saves and exits, on SIGTERM or SIGINT
+    (exit code 128 + the signal number; torchrun passes them on to its workers and itself exits
+    with 1) or on a request: the file `stop` in out_dir, which rank 0 looks for at every step
+    (scripts/slurm_train.sbatch writes it before the time limit). A request ends with exit code 0,
+    so that torchrun does not restart the workers, and is removed once served. All ranks agree
+    through a CPU (gloo) all-reduce, which never waits for the GPU."""
 
-    def __init__(self, ddp, device):
+    def __init__(self, ddp, device, master, out_dir):
         self.signum = 0
+        self.request_path = os.path.join(out_dir, STOP_REQUEST_FILE) if master else None
+        self.requested = False
         self.group = None
         if ddp:
             self.group = dist.new_group(backend="gloo") if device.type == "cuda" else dist.group.WORLD
@@ -522,15 +530,27 @@ class StopFlag:
         self.signum = signum
 
     def agreed(self):
-        if self.group is None:
-            return self.signum
-        flag = torch.tensor([self.signum])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return int(flag.item())
+        """0 to go on; else the signal number, or STOP_REQUESTED for the request file."""
+        requested = self.request_path is not None and os.path.exists(self.request_path)
+        flag = torch.tensor([self.signum, int(requested)])
+        if self.group is not None:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        signum, self.requested = flag.tolist()
+        return signum or (STOP_REQUESTED if self.requested else 0)
+
+    def exit_code(self, stopped):
+        return 0 if stopped == STOP_REQUESTED else 128 + stopped
+
+    def cause(self, stopped):
+        return (f"the request {STOP_REQUEST_FILE} in the run folder" if stopped == STOP_REQUESTED else
+                f"signal {stopped}")
 
     def restore(self):
         for signum, handler in self.previous.items():
             signal.signal(signum, handler)
+        if self.requested and self.request_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.request_path)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -727,7 +747,7 @@ def train(cfg, world):
     metrics = MetricsWriter(os.path.join(cfg.out_dir, "metrics.jsonl"), world.master,
                             state.step if resuming else None,
                             start_wandb(wandb, cfg) if wandb is not None else None)
-    stop = StopFlag(world.ddp, world.device)
+    stop = StopFlag(world.ddp, world.device, world.master, cfg.out_dir)
     first_step = state.step + 1  # it compiles under torch.compile: timed apart from the others
     try:
         if not resuming:
@@ -761,9 +781,9 @@ def train(cfg, world):
                     if state.saved_step != state.step:
                         save_run(ckpt_path, state, cfg, world)
                     if world.master:
-                        log(f"stopped by signal {signum} after step {state.step}; checkpoint saved to {ckpt_path}; "
-                            f"continue with --init_from=auto (or resume)")
-                    return 128 + signum
+                        log(f"stopped by {stop.cause(signum)} after step {state.step}; checkpoint saved to "
+                            f"{ckpt_path}; continue with --init_from=auto (or resume)")
+                    return stop.exit_code(signum)
                 window_start = time.perf_counter()
         if state.saved_step != state.step:
             save_run(ckpt_path, state, cfg, world)
