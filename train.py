@@ -20,6 +20,7 @@ import json
 import math
 import os
 import random
+import secrets
 import signal
 import sys
 import threading
@@ -51,6 +52,7 @@ PREPARE_COMMANDS = {
 TRAIN_STREAM, EVAL_STREAMS = 0, {"train": 1, "val": 2}
 STOP_REQUEST_FILE = "stop"  # in out_dir: stop at the next step boundary, save, exit 0
 STOP_REQUESTED = -1  # StopFlag.agreed() for the request file; signals are positive
+WANDB_ID_FILE = "wandb_run_id"  # in out_dir: the W&B run that restarts continue
 
 
 class DataError(Exception):
@@ -679,9 +681,22 @@ def import_wandb():
     return wandb
 
 
-def start_wandb(wandb, cfg):
+def start_wandb(wandb, cfg, resuming):
+    """Rank 0: the W&B run of this training. Its id is kept in out_dir, so that every restart and
+    requeue of a resumed run continues the same W&B run; a start from scratch begins a new one."""
+    id_path = os.path.join(cfg.out_dir, WANDB_ID_FILE)
+    run_id = None
+    if resuming and os.path.exists(id_path):
+        with open(id_path, encoding="utf-8") as f:
+            run_id = f.read().strip() or None  # empty: a write cut short
+    if run_id is None:
+        run_id = secrets.token_hex(8)  # an identifier, not a modelling choice: nothing to seed
+        with open(id_path + ".tmp", "w", encoding="utf-8") as f:
+            f.write(run_id + "\n")
+        os.replace(id_path + ".tmp", id_path)
     try:
-        return wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=asdict(cfg))
+        return wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=asdict(cfg), id=run_id,
+                          resume="allow")
     except Exception as e:  # wandb has its own error types for no login, no network, bad settings
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"wandb.init failed ({reason}); set WANDB_MODE=offline to log locally, "
@@ -746,7 +761,7 @@ def train(cfg, world):
         start_out_dir(cfg, raw_model, state.step, tokens_per_step, dtype, world, ckpt_path)
     metrics = MetricsWriter(os.path.join(cfg.out_dir, "metrics.jsonl"), world.master,
                             state.step if resuming else None,
-                            start_wandb(wandb, cfg) if wandb is not None else None)
+                            start_wandb(wandb, cfg, resuming) if wandb is not None else None)
     stop = StopFlag(world.ddp, world.device, world.master, cfg.out_dir)
     first_step = state.step + 1  # it compiles under torch.compile: timed apart from the others
     try:
