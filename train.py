@@ -519,7 +519,6 @@ class StopFlag:
     def __init__(self, ddp, device, master, out_dir):
         self.signum = 0
         self.request_path = os.path.join(out_dir, STOP_REQUEST_FILE) if master else None
-        self.requested = False
         self.group = None
         if ddp:
             self.group = dist.new_group(backend="gloo") if device.type == "cuda" else dist.group.WORLD
@@ -537,11 +536,17 @@ class StopFlag:
         flag = torch.tensor([self.signum, int(requested)])
         if self.group is not None:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        signum, self.requested = flag.tolist()
-        return signum or (STOP_REQUESTED if self.requested else 0)
+        signum, requested = flag.tolist()
+        return signum or (STOP_REQUESTED if requested else 0)
 
-    def exit_code(self, stopped):
-        return 0 if stopped == STOP_REQUESTED else 128 + stopped
+    def finish(self, stopped):
+        """After the stop's save: the exit code; a served request is removed."""
+        if stopped != STOP_REQUESTED:
+            return 128 + stopped
+        if self.request_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.request_path)
+        return 0
 
     def cause(self, stopped):
         return (f"the request {STOP_REQUEST_FILE} in the run folder" if stopped == STOP_REQUESTED else
@@ -550,9 +555,6 @@ class StopFlag:
     def restore(self):
         for signum, handler in self.previous.items():
             signal.signal(signum, handler)
-        if self.requested and self.request_path is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(self.request_path)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -798,7 +800,7 @@ def train(cfg, world):
                     if world.master:
                         log(f"stopped by {stop.cause(signum)} after step {state.step}; checkpoint saved to "
                             f"{ckpt_path}; continue with --init_from=auto (or resume)")
-                    return stop.exit_code(signum)
+                    return stop.finish(signum)
                 window_start = time.perf_counter()
         if state.saved_step != state.step:
             save_run(ckpt_path, state, cfg, world)

@@ -55,7 +55,21 @@ def wait_for_file(path):
         time.sleep(0.01)
 
 
-if os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
+def first_launch():
+    """torchrun's first launch in a batch job's first start; with FAULT_ONCE (a file's path) instead,
+    the first launch anywhere, as restart counts differ between torchrun's nodes after a restart."""
+    if "FAULT_ONCE" in os.environ:
+        if int(os.environ["RANK"]) != FAULT_RANK:
+            return True  # the fault is FAULT_RANK's alone
+        try:
+            os.close(os.open(os.environ["FAULT_ONCE"], os.O_CREAT | os.O_EXCL))
+            return True
+        except FileExistsError:
+            return False
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and os.environ.get("SLURM_RESTART_COUNT", "0") == "0"
+
+
+if first_launch():
     train.train_step = train_step_with_fault
 elif os.environ["RANK"] == "1":
     time.sleep(float(os.environ.get("RESTART_DELAY", "0")))
