@@ -131,7 +131,7 @@ def test_auto_on_a_finished_run_exits_0_and_changes_nothing(data_dir, reference,
 @pytest.mark.slow
 def test_a_stop_request_saves_the_step_exits_0_and_the_run_continues_the_exact_trajectory(
         data_dir, tmp_path, reference, capsys, monkeypatch):
-    """The file `stop` in the run folder, made during step 5 (the last checkpoint: step 3): the run
+    """The file `stop` in the run folder, made during step 5 (the last checkpoint: step 4's): the run
     saves step 5 and returns 0, so that torchrun restarts nothing; the request is used up."""
     out = tmp_path / "run"
     real_step = train.train_step
@@ -482,12 +482,17 @@ def test_the_slurm_script_runs_the_readmes_multinode_command_and_requeues_only_a
     job.signal_time_limit()
     assert job.wait(timeout=60) == (3, 0)  # a run that could not serve the stop is not requeued
 
+    logs, job = submit("signal_without_b", "serve", signal="USR1@600", **one_node)
+    slurm.wait_for((logs / "started").exists, 30, "the run")
+    job.signal_time_limit()  # to the step's processes, which USR1 kills (torchrun's agent too), not the shell
+    assert job.wait(timeout=60) == (128 + signal.SIGUSR1, 0)
+
 
 @pytest.mark.slow
 def test_the_slurm_time_limit_saves_the_step_in_flight_and_the_requeued_job_ends_on_the_uninterrupted_losses(
         data_dir, tmp_path, reference):
     """The batch script on one node with two CPU processes under real torchrun: SLURM's time-limit
-    signal comes during step 5 (the last checkpoint: step 3), which rank 0 holds until the request
+    signal comes during step 5 (the last checkpoint: step 4's), which rank 0 holds until the request
     reaches the run folder. The run saves step 5 and exits 0, the job requeues itself once, and the
     requeued start finishes with the uninterrupted run's losses, each step once."""
     out = tmp_path / "run"
