@@ -161,10 +161,16 @@ def torchrun(data_dir, out, script, max_restarts=0, **env):
     defaults: its store shared with the workers (no TORCH_DISABLE_SHARE_RDZV_TCP_STORE)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", **env)
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           f"--max-restarts={max_restarts}", "--monitor-interval=0.1",
-                           os.path.join(REPO_DIR, script), *run_args(data_dir, out)],
-                          cwd=REPO_DIR, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             f"--max-restarts={max_restarts}", "--monitor-interval=0.1",
+                             os.path.join(REPO_DIR, script), *run_args(data_dir, out)],
+                            cwd=REPO_DIR, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        slurm.signal_all(slurm.descendants([proc.pid]), signal.SIGKILL)  # workers run in sessions of their own
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 def assert_uninterrupted(out, reference):

@@ -100,8 +100,13 @@ class Job:
         signal_all(steps, signal_number(spec))
 
     def wait(self, timeout):
-        """The batch script's exit code, and whether it requeued this job."""
-        code = self.shell.wait(timeout=timeout)
+        """The batch script's exit code, and how many times it requeued this job. Past the timeout
+        every process of the job is killed, as at a time limit, and TimeoutExpired raised."""
+        try:
+            code = self.shell.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            signal_all(descendants([self.shell.pid]), signal.SIGKILL)
+            raise
         return code, self.requeues() - self.requeues_before
 
     def start_requeued(self):
