@@ -462,7 +462,7 @@ def test_the_slurm_script_runs_the_readmes_multinode_command_and_requeues_only_a
         logs = tmp_path / name
         logs.mkdir()
         env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT_DIR=str(out), FAKE=fake)
-        return logs, slurm.submit(SLURM_SCRIPT, env=env, log_dir=logs, **options)
+        return logs, slurm.submit(SLURM_SCRIPT, env=env, submit_dir=REPO_DIR, log_dir=logs, **options)
 
     logs, job = submit("finished", "finish")
     assert job.wait(timeout=60) == (0, 0)
@@ -506,8 +506,8 @@ def test_the_slurm_time_limit_saves_the_step_in_flight_and_the_requeued_job_ends
                FAULT_RANK="0", FAULT_BEFORE_STEP="5", HOLD_UNTIL=str(out / "stop"))
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
     args = ["tests/faulty_worker.py", *tiny_args(data_dir, out, **RUN)]
-    job = slurm.submit(SLURM_SCRIPT, args, env=env, log_dir=tmp_path, nodes=1, gpus_per_node=2, cpus_per_task=2,
-                       nodelist="localhost")
+    job = slurm.submit(SLURM_SCRIPT, args, env=env, submit_dir=REPO_DIR, log_dir=tmp_path, nodes=1, gpus_per_node=2,
+                       cpus_per_task=2, nodelist="localhost")
 
     def evaluated_step_4():
         return (out / "metrics.jsonl").exists() and any(

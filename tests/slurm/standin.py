@@ -63,22 +63,23 @@ def signal_number(name):
 class Job:
     """One start of a batch job: the script run by bash as SLURM's batch step."""
 
-    def __init__(self, script, args, options, env, log_dir, job_id, restart_count):
+    def __init__(self, script, args, options, env, submit_dir, log_dir, job_id, restart_count):
         self.script, self.args, self.options, self.log_dir = script, args, options, log_dir
+        self.submit_dir = submit_dir
         self.job_id, self.restart_count, self.env = job_id, restart_count, env
         environment = dict(env, PATH=f"{BIN}:{env['PATH']}", SLURM_STANDIN_LOG=str(log_dir),
                            SLURM_JOB_ID=str(job_id), SLURM_JOB_NAME=options["job-name"],
                            SLURM_JOB_NODELIST=options["nodelist"], SLURM_JOB_NUM_NODES=options["nodes"],
                            SLURM_NNODES=options["nodes"], SLURM_RESTART_COUNT=str(restart_count),
-                           SLURM_SUBMIT_DIR=env.get("PWD", os.getcwd()))
+                           SLURM_SUBMIT_DIR=str(submit_dir))
         if "cpus-per-task" in options:
             environment["SLURM_CPUS_PER_TASK"] = options["cpus-per-task"]
         if "gpus-per-node" in options:
             environment["SLURM_GPUS_ON_NODE"] = options["gpus-per-node"]
         self.requeues_before = self.requeues()
         output = open(os.path.join(log_dir, f"job-{job_id}.out"), "a")  # --open-mode=append
-        self.shell = subprocess.Popen(["bash", script, *args], env=environment, stdout=output, stderr=output,
-                                      start_new_session=True)
+        self.shell = subprocess.Popen(["bash", script, *args], cwd=submit_dir, env=environment, stdout=output,
+                                      stderr=output, start_new_session=True)
         output.close()
 
     def requeues(self):
@@ -111,7 +112,8 @@ class Job:
 
     def start_requeued(self):
         """The job as SLURM starts it again after a requeue: same id, SLURM_RESTART_COUNT + 1."""
-        return Job(self.script, self.args, self.options, self.env, self.log_dir, self.job_id, self.restart_count + 1)
+        return Job(self.script, self.args, self.options, self.env, self.submit_dir, self.log_dir, self.job_id,
+                   self.restart_count + 1)
 
 
 def is_srun(pid):
@@ -122,11 +124,11 @@ def is_srun(pid):
         return False
 
 
-def submit(script, args=(), env=None, log_dir=".", job_id=4242, **options):
-    """sbatch [--option=value ...] script args: options (underscores for dashes) over the #SBATCH
-    header; nodelist: the nodes SLURM allocated, as SLURM_JOB_NODELIST writes them."""
+def submit(script, args=(), env=None, submit_dir=".", log_dir=".", job_id=4242, **options):
+    """sbatch [--option=value ...] script args, run from submit_dir: options (underscores for dashes)
+    over the #SBATCH header; nodelist: the nodes SLURM allocated, as SLURM_JOB_NODELIST writes them."""
     merged = dict(sbatch_options(script), **{key.replace("_", "-"): str(value) for key, value in options.items()})
-    return Job(script, list(args), merged, dict(os.environ if env is None else env), log_dir, job_id, 0)
+    return Job(script, list(args), merged, dict(os.environ if env is None else env), submit_dir, log_dir, job_id, 0)
 
 
 def wait_for(condition, timeout, what):
