@@ -1,7 +1,9 @@
 """Runs that survive the cluster, on CPU: --init_from=auto as the one command for the first start
-and every restart, a worker killed with SIGKILL under torchrun --max-restarts, SIGTERM to torchrun,
-saves that fail (a real full disk on a small tmpfs, injected OSErrors, a vanished folder), and the
-SLURM job script with stand-ins. Every run is compared step by step with one uninterrupted run."""
+and every restart, a worker killed with SIGKILL under torchrun --max-restarts (with torchrun's shared
+store, no workaround variable), SIGTERM to torchrun, a stop request, saves that fail (a real full disk
+on a small tmpfs, injected OSErrors, a vanished folder), and the SLURM job script under stand-ins
+that behave as SLURM does (tests/slurm). Every run is compared step by step with one uninterrupted
+run."""
 import errno
 import json
 import os
