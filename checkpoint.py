@@ -838,25 +838,23 @@ class CheckpointManager:
         """Whether ckpt_interval asks for a save after this step."""
         return self.cfg.ckpt_interval > 0 and step % self.cfg.ckpt_interval == 0
 
-    def save(self, state, val_loss=None, signum=0, force=False):
+    def save(self, state, val_loss=None, stopping=False, force=False):
         """Every rank calls it after a step whose losses were checked (and after the first
-        evaluation), with the step's val loss if it evaluated and the agreed signal number. Saves
-        when the val loss improved (or on always_save_checkpoint), at ckpt_interval, on a signal,
-        at the last step or when forced; a signal's save and the last one are complete on return."""
+        evaluation), with the step's val loss if it evaluated and whether the run stops here (a
+        signal or a stop request). Saves when the val loss improved (or on always_save_checkpoint),
+        at ckpt_interval, on a stop, at the last step or when forced; a stop's save and the last one
+        are complete on return."""
         improved = val_loss is not None and val_loss < state.best_val_loss
         if val_loss is not None:
             state.best_val_loss = min(state.best_val_loss, val_loss)
         last = state.step >= self.cfg.max_iters
         evaluated = val_loss is not None and (improved or self.cfg.always_save_checkpoint)
-        if (evaluated or self.due(state.step) or signum or last or force) and self.started_step != state.step:
+        if (evaluated or self.due(state.step) or stopping or last or force) and self.started_step != state.step:
             self._write(state)
-        if signum or last or not self.asynchronous:
+        if stopping or last or not self.asynchronous:
             self.wait()
         elif self.in_flight is not None and self.in_flight.done():
             self._settle()  # publish it now: the link names the newest checkpoint as early as possible
-        if signum and self.world.master:
-            self.log(f"stopped by signal {signum} after step {state.step}; checkpoint saved to {self.path}; "
-                     f"continue with --init_from=auto (or resume)")
 
     def _write(self, state):
         rng = [rng_state(self.world.device)]

@@ -12,6 +12,7 @@ Config files apply left to right, then --key=value overrides (config.py). Rank 0
 <out_dir>/metrics.jsonl, ckpt.pt and, when finished, the marker file `done`. Exit codes: 0 done (or
 nothing to do), 1 non-finite loss, 2 bad input, 3 a checkpoint save failed (a full disk, permissions;
 the last good checkpoint is kept), 128 + signal number after SIGTERM or SIGINT (checkpoint saved).
+The file `stop` in out_dir stops the run at the next step with a checkpoint and exit code 0.
 """
 
 import contextlib
@@ -19,6 +20,7 @@ import json
 import math
 import os
 import random
+import secrets
 import signal
 import sys
 import threading
@@ -45,6 +47,9 @@ PREPARE_COMMANDS = {
 }
 # Generator streams derived from the seed: training batches and the two fixed eval sets.
 TRAIN_STREAM, EVAL_STREAMS = 0, {"train": 1, "val": 2}
+STOP_REQUEST_FILE = "stop"  # in out_dir: stop at the next step boundary, save, exit 0
+STOP_REQUESTED = -1  # StopFlag.agreed() for the request file; signals are positive
+WANDB_ID_FILE = "wandb_run_id"  # in out_dir: the W&B run that restarts continue
 
 
 class DataError(Exception):
@@ -94,8 +99,38 @@ def setup_distributed(cfg):
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if ddp:
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        store = attempt_store(rank, world_size) if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else None
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
+                                world_size=world_size)
     return World(ddp, rank, world_size, device, sharded=cfg.parallel == "fsdp")
+
+
+def attempt_store(rank, world_size):
+    """torchrun's store, which it keeps across restarts and shares with the workers, seen under a
+    key prefix of this attempt's own, so that restarted workers never read the gloo/NCCL addresses
+    a previous attempt left there (pytorch/pytorch#135712). torchrun's restart counts can differ
+    between nodes, so the ranks agree on the prefix through the store: rank 0 takes a new attempt
+    number and gives it to every ticket the other ranks draw, until all of them have joined."""
+    timeout = dist.default_pg_timeout
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                          timeout=timeout)
+    if rank == 0:
+        attempt = store.add("attempts", 1)
+        answered = store.add("answered_tickets", 0)
+        deadline = time.monotonic() + timeout.total_seconds()
+        while store.add(f"attempt{attempt}/joined", 0) < world_size - 1:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"only {store.add(f'attempt{attempt}/joined', 0) + 1} of {world_size} ranks "
+                                   f"joined attempt {attempt} in {timeout}")
+            tickets = store.add("tickets", 0)  # stale tickets of dead processes get an answer nobody reads
+            for ticket in range(answered + 1, tickets + 1):
+                store.set(f"ticket{ticket}", str(attempt))
+            answered = store.add("answered_tickets", tickets - answered)
+            time.sleep(0.01)
+    else:
+        attempt = int(store.get(f"ticket{store.add('tickets', 1)}"))  # waits for rank 0's answer
+        store.add(f"attempt{attempt}/joined", 1)
+    return dist.PrefixStore(f"attempt{attempt}/", store)
 
 
 @contextlib.contextmanager
@@ -372,12 +407,16 @@ def log(message):
 
 
 class StopFlag:
-    """Records SIGTERM / SIGINT so the loop can stop at the next step boundary, save and exit
-    with 128 + the signal number (torchrun passes the signal on to its workers and itself exits
-    with 1). All ranks agree on it through a CPU (gloo) all-reduce, which never waits for the GPU."""
+    """Stops the loop at the next step boundary, where it saves and exits, on SIGTERM or SIGINT
+    (exit code 128 + the signal number; torchrun passes them on to its workers and itself exits
+    with 1) or on a request: the file `stop` in out_dir, which rank 0 looks for at every step
+    (scripts/slurm_train.sbatch writes it before the time limit). A request ends with exit code 0,
+    so that torchrun does not restart the workers, and is removed once served. All ranks agree
+    through a CPU (gloo) all-reduce, which never waits for the GPU."""
 
-    def __init__(self, ddp, device):
+    def __init__(self, ddp, device, master, out_dir):
         self.signum = 0
+        self.request_path = os.path.join(out_dir, STOP_REQUEST_FILE) if master else None
         self.group = None
         if ddp:
             self.group = dist.new_group(backend="gloo") if device.type == "cuda" else dist.group.WORLD
@@ -390,11 +429,26 @@ class StopFlag:
         self.signum = signum
 
     def agreed(self):
-        if self.group is None:
-            return self.signum
-        flag = torch.tensor([self.signum])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return int(flag.item())
+        """0 to go on; else the signal number, or STOP_REQUESTED for the request file."""
+        requested = self.request_path is not None and os.path.exists(self.request_path)
+        flag = torch.tensor([self.signum, int(requested)])
+        if self.group is not None:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        signum, requested = flag.tolist()
+        return signum or (STOP_REQUESTED if requested else 0)
+
+    def finish(self, stopped):
+        """After the stop's save: the exit code; a served request is removed."""
+        if stopped != STOP_REQUESTED:
+            return 128 + stopped
+        if self.request_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.request_path)
+        return 0
+
+    def cause(self, stopped):
+        return (f"the request {STOP_REQUEST_FILE} in the run folder" if stopped == STOP_REQUESTED else
+                f"signal {stopped}")
 
     def restore(self):
         for signum, handler in self.previous.items():
@@ -463,9 +517,22 @@ def import_wandb():
     return wandb
 
 
-def start_wandb(wandb, cfg):
+def start_wandb(wandb, cfg, resuming):
+    """Rank 0: the W&B run of this training. Its id is kept in out_dir, so that every restart and
+    requeue of a resumed run continues the same W&B run; a start from scratch begins a new one."""
+    id_path = os.path.join(cfg.out_dir, WANDB_ID_FILE)
+    run_id = None
+    if resuming and os.path.exists(id_path):
+        with open(id_path, encoding="utf-8") as f:
+            run_id = f.read().strip() or None  # empty: a write cut short
+    if run_id is None:
+        run_id = secrets.token_hex(8)  # an identifier, not a modelling choice: nothing to seed
+        with open(id_path + ".tmp", "w", encoding="utf-8") as f:
+            f.write(run_id + "\n")
+        os.replace(id_path + ".tmp", id_path)
     try:
-        return wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=asdict(cfg))
+        return wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=asdict(cfg), id=run_id,
+                          resume="allow")
     except Exception as e:  # wandb has its own error types for no login, no network, bad settings
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"wandb.init failed ({reason}); set WANDB_MODE=offline to log locally, "
@@ -522,8 +589,8 @@ def train(cfg, world):
     if world.master:
         start_out_dir(cfg, raw_model, state.step, tokens_per_step, dtype, world, checkpoints)
     metrics = MetricsWriter(os.path.join(cfg.out_dir, "metrics.jsonl"), world.master, resume_step,
-                            start_wandb(wandb, cfg) if wandb is not None else None)
-    stop = StopFlag(world.ddp, world.device)
+                            start_wandb(wandb, cfg, resume_step is not None) if wandb is not None else None)
+    stop = StopFlag(world.ddp, world.device, world.master, cfg.out_dir)
     first_step = state.step + 1  # it compiles under torch.compile: timed apart from the others
     try:
         if resume_step is None:
@@ -549,9 +616,12 @@ def train(cfg, world):
                     log_step(last, cfg.max_iters)
                 pending = []
                 val_loss = evaluate_and_log(model, eval_sets, state.step, ctx, cfg, world, metrics) if is_eval else None
-                checkpoints.save(state, val_loss, signum)
+                checkpoints.save(state, val_loss, stopping=bool(signum))
                 if signum:
-                    return 128 + signum
+                    if world.master:
+                        log(f"stopped by {stop.cause(signum)} after step {state.step}; checkpoint saved to "
+                            f"{checkpoints.path}; continue with --init_from=auto (or resume)")
+                    return stop.finish(signum)
                 window_start = time.perf_counter()
         checkpoints.finish(state)
         return 0

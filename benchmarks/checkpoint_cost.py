@@ -84,7 +84,7 @@ def single_file(args):
         load_s = time.perf_counter() - start
         gigabytes = os.path.getsize(checkpoints.path) / 1e9
         print(f"| {size} | {state.model.get_num_params() / 1e6:.0f}M | {gigabytes:.2f} GB | "
-              f"{' / '.join(f'{s:.1f}' for s in saves)} | {load_s:.1f} |", flush=True)
+              f"{' / '.join(f'{s:.2g}' for s in saves)} | {load_s:.2g} |", flush=True)
         shutil.rmtree(folder)
 
 

@@ -1,8 +1,11 @@
 """train.py with a fault, for tests: run under torchrun in place of train.py, with the same
-arguments. On torchrun's first launch (TORCHELASTIC_RESTART_COUNT=0), just before optimizer step
-FAULT_BEFORE_STEP, the rank FAULT_RANK either kills itself with SIGKILL (FAULT=sigkill: an
-out-of-memory kill, a lost node) or sends SIGTERM to torchrun (FAULT=sigterm_launcher: what a
-scheduler does before a time limit). Every later launch runs train.py untouched."""
+arguments. On torchrun's first launch (TORCHELASTIC_RESTART_COUNT=0) in a batch job's first start
+(SLURM_RESTART_COUNT unset or 0), just before optimizer step FAULT_BEFORE_STEP, the rank FAULT_RANK
+kills itself with SIGKILL (FAULT=sigkill: an out-of-memory kill, a lost node), sends SIGTERM to
+torchrun (FAULT=sigterm_launcher: what a scheduler does before a time limit), or waits until the
+file HOLD_UNTIL exists (FAULT=hold: the step in flight when a test's stop request comes, at most 60
+s). Every later launch runs train.py untouched, rank 1 starting
+RESTART_DELAY seconds late (default 0) so that the other ranks reach torchrun's store first."""
 import os
 import signal
 import sys
@@ -23,6 +26,8 @@ def train_step_with_fault(train_model, state, *args):
             os.kill(os.getpid(), signal.SIGKILL)
         elif FAULT == "sigterm_launcher":
             term_launcher_and_wait()
+        elif FAULT == "hold":
+            wait_for_file(os.environ["HOLD_UNTIL"])
     return real_train_step(train_model, state, *args)
 
 
@@ -44,6 +49,28 @@ def term_launcher_and_wait():
         time.sleep(0.01)
 
 
-if os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+def wait_for_file(path):
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def first_launch():
+    """torchrun's first launch in a batch job's first start; with FAULT_ONCE (a file's path) instead,
+    the first launch anywhere, as restart counts differ between torchrun's nodes after a restart."""
+    if "FAULT_ONCE" in os.environ:
+        if int(os.environ["RANK"]) != FAULT_RANK:
+            return True  # the fault is FAULT_RANK's alone
+        try:
+            os.close(os.open(os.environ["FAULT_ONCE"], os.O_CREAT | os.O_EXCL))
+            return True
+        except FileExistsError:
+            return False
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and os.environ.get("SLURM_RESTART_COUNT", "0") == "0"
+
+
+if first_launch():
     train.train_step = train_step_with_fault
+elif os.environ["RANK"] == "1":
+    time.sleep(float(os.environ.get("RESTART_DELAY", "0")))
 train.main()

@@ -1,12 +1,15 @@
 """Runs that survive the cluster, on CPU: --init_from=auto as the one command for the first start
-and every restart, a worker killed with SIGKILL under torchrun --max-restarts, SIGTERM to torchrun,
-saves that fail (a real full disk on a small tmpfs, injected OSErrors, a vanished folder), and the
-SLURM job script with stand-ins. Every run is compared step by step with one uninterrupted run."""
+and every restart, a worker killed with SIGKILL under torchrun --max-restarts (with torchrun's shared
+store, no workaround variable), SIGTERM to torchrun, a stop request, saves that fail (a real full disk
+on a small tmpfs, injected OSErrors, a vanished folder), and the SLURM job script under stand-ins
+that behave as SLURM does (tests/slurm). Every run is compared step by step with one uninterrupted
+run."""
 import errno
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -19,6 +22,7 @@ import train
 from checkpoint import load_checkpoint, save_failure_line
 from config import REPO_DIR, load_config
 from conftest import assert_one_error_line
+from slurm import standin as slurm
 from test_train import read_all_metrics, tiny_args
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -126,19 +130,49 @@ def test_auto_on_a_finished_run_exits_0_and_changes_nothing(data_dir, reference,
     assert snapshot(reference) == before
 
 
+@pytest.mark.slow
+def test_a_stop_request_saves_the_step_exits_0_and_the_run_continues_the_exact_trajectory(
+        data_dir, tmp_path, reference, capsys, monkeypatch):
+    """The file `stop` in the run folder, made during step 5 (the last checkpoint: step 4's): the run
+    saves step 5 and returns 0, so that torchrun restarts nothing; the request is used up."""
+    out = tmp_path / "run"
+    real_step = train.train_step
+
+    def request_during_step_5(train_model, state, *args):
+        if state.step + 1 == 5:
+            (out / "stop").touch()
+        return real_step(train_model, state, *args)
+
+    monkeypatch.setattr(train, "train_step", request_during_step_5)
+    train.main(run_args(data_dir, out))  # returns: exit status 0
+    monkeypatch.undo()
+    assert "stopped by the request stop in the run folder after step 5" in capsys.readouterr().out
+    assert load_checkpoint(str(out / "ckpt.pt"))["step"] == 5
+    assert not (out / "stop").exists() and not (out / "done").exists()
+    train.main(run_args(data_dir, out))
+    assert "resuming at step 5 of 8" in capsys.readouterr().out
+    assert trajectory(out) == trajectory(reference)
+
+
 # ----------------------------------------------------------------------------------------------
 # A lost worker
 
 
 def torchrun(data_dir, out, script, max_restarts=0, **env):
-    """Two CPU processes under torchrun, on train.py or tests/faulty_worker.py. torch's shared
-    rendezvous store hands restarted gloo workers stale addresses (pytorch/pytorch#135712), so
-    the store is not shared, as docs/training.md tells users to do."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **env)
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           f"--max-restarts={max_restarts}", "--monitor-interval=0.1",
-                           os.path.join(REPO_DIR, script), *run_args(data_dir, out)],
-                          cwd=REPO_DIR, env=env, capture_output=True, text=True, timeout=300)
+    """Two CPU processes under torchrun, on train.py or tests/faulty_worker.py, with torchrun's
+    defaults: its store shared with the workers (no TORCH_DISABLE_SHARE_RDZV_TCP_STORE)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", **env)
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             f"--max-restarts={max_restarts}", "--monitor-interval=0.1",
+                             os.path.join(REPO_DIR, script), *run_args(data_dir, out)],
+                            cwd=REPO_DIR, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        slurm.signal_all(slurm.descendants([proc.pid]), signal.SIGKILL)  # workers run in sessions of their own
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 def assert_uninterrupted(out, reference):
@@ -159,7 +193,7 @@ def test_a_worker_killed_under_torchrun_is_restarted_and_the_run_ends_on_the_uni
     workers with the same command, which resumes."""
     out = tmp_path / "run"
     proc = torchrun(data_dir, out, "tests/faulty_worker.py", max_restarts=1, FAULT="sigkill", FAULT_RANK="1",
-                    FAULT_BEFORE_STEP="6")
+                    FAULT_BEFORE_STEP="6", RESTART_DELAY="2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "exitcode: -9" in proc.stderr  # the kill happened
     assert "resuming at step 4 of 8" in proc.stdout
@@ -358,7 +392,10 @@ def test_checkpoint_cost_measures_a_save_with_adamws_full_state(tmp_path, capsys
 
 
 # ----------------------------------------------------------------------------------------------
-# The SLURM example
+# The SLURM job: tests/slurm's stand-ins for sbatch, srun and scontrol behave as SLURM does
+
+
+SLURM_SCRIPT = os.path.join(REPO_DIR, "scripts", "slurm_train.sbatch")
 
 
 def readme_multinode_command():
@@ -369,52 +406,126 @@ def readme_multinode_command():
     return " ".join(text[start:end].replace("\\\n", " ").split())
 
 
-def test_the_slurm_script_runs_the_readmes_multinode_command_and_requeues_until_done(tmp_path):
-    """The sbatch script with stand-ins for srun and scontrol on PATH (no SLURM cluster here): the
-    command srun gets is the README's with the head node filled in; SIGTERM before the time limit
-    reaches the job step, which then requeues; a finished run or a failed one is not requeued."""
-    bin_dir, out = tmp_path / "bin", tmp_path / "out"
-    bin_dir.mkdir()
-    (bin_dir / "srun").write_text(
+def free_port():
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_the_srun_stand_in_kills_the_step_on_sigterm_and_forwards_usr1(tmp_path):
+    """What the SLURM tests rest on: srun passes USR1 to every process of its step, a task's
+    children included, and on SIGTERM SIGKILLs them all (a task's own TERM trap never runs)."""
+    task = tmp_path / "task.sh"
+    task.write_text(
         "#!/usr/bin/env bash\n"
-        'echo "$*" > "$LOG_DIR/srun"\n'
-        'trap \'echo TERM >> "$LOG_DIR/signals"; exit 143\' TERM\n'
-        '[ -z "${SRUN_WAITS:-}" ] || { echo started > "$LOG_DIR/started"; sleep 30 & wait; }\n'
-        '[ -z "${SRUN_FINISHES:-}" ] || { mkdir -p "$OUT_DIR"; echo 10000 > "$OUT_DIR/done"; }\n'
-        'exit "${SRUN_EXIT:-0}"\n')
-    (bin_dir / "scontrol").write_text('#!/usr/bin/env bash\necho "$*" >> "$LOG_DIR/scontrol"\n'
-                                      '[ "$1" != show ] || printf "gpu-node-07\\ngpu-node-08\\n"\n')
-    for tool in ("srun", "scontrol"):
-        (bin_dir / tool).chmod(0o755)
-    script = os.path.join(REPO_DIR, "scripts", "slurm_train.sbatch")
+        "trap 'echo USR1 >> \"$DIR/task-$SLURM_PROCID\"' USR1\n"
+        "trap 'echo TERM >> \"$DIR/task-$SLURM_PROCID\"' TERM\n"
+        "bash -c 'trap \"echo USR1 >> $DIR/child-$SLURM_PROCID\" USR1; touch $DIR/ready-$SLURM_PROCID; "
+        "while true; do sleep 0.1; done' &\n"
+        "while true; do sleep 0.1; done\n")
+    task.chmod(0o755)
+    env = dict(os.environ, PATH=f"{slurm.BIN}:{os.environ['PATH']}", SLURM_STANDIN_LOG=str(tmp_path),
+               SLURM_JOB_NUM_NODES="2", DIR=str(tmp_path))
+    proc = subprocess.Popen(["srun", "--kill-on-bad-exit=1", str(task)], env=env)
+    slurm.wait_for(lambda: len(list(tmp_path.glob("ready-*"))) == 2, 30, "two tasks with a child each")
+    step = slurm.descendants([proc.pid])[1:]
+    proc.send_signal(signal.SIGUSR1)
+    received = [tmp_path / f"{who}-{rank}" for who in ("task", "child") for rank in (0, 1)]
+    slurm.wait_for(lambda: all(path.exists() for path in received), 30, "USR1 in every task and child")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGKILL
+    assert [path.read_text() for path in received] == ["USR1\n"] * 4  # no TERM trap ran
+    slurm.wait_for(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in step), 10, "the step's processes gone")
 
-    def sbatch(name, **env):
-        log_dir = tmp_path / name
-        log_dir.mkdir()
-        environment = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", LOG_DIR=str(log_dir),
-                           OUT_DIR=str(out), SLURM_JOB_ID="4242", SLURM_JOB_NAME="owt-M",
-                           SLURM_JOB_NODELIST="gpu-node-[07-08]", **env)
-        return log_dir, subprocess.Popen(["bash", script], cwd=REPO_DIR, env=environment, stdout=subprocess.PIPE,
-                                         stderr=subprocess.PIPE, text=True)
 
-    logs, proc = sbatch("time_limit", SRUN_WAITS="1")
-    deadline = time.monotonic() + 30
-    while not (logs / "started").exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    proc.send_signal(signal.SIGTERM)  # what --signal=B:TERM@600 sends the batch shell
-    assert proc.wait(timeout=60) == 0, proc.stderr.read()
-    assert (logs / "signals").read_text() == "TERM\n"
-    assert (logs / "scontrol").read_text().splitlines() == ["show hostnames gpu-node-[07-08]", "requeue 4242"]
-    command = (logs / "srun").read_text().split()
-    torchrun = command[command.index("torchrun"):]
-    assert torchrun == readme_multinode_command().replace("$HEAD_NODE", "gpu-node-07").split() + [f"--out_dir={out}"]
-    assert "--init_from=auto" in torchrun and any(arg.startswith("--max-restarts=") for arg in torchrun)
+def fake_torchrun(bin_dir):
+    """torchrun for the script's own logic: records its command line and each start; FAKE=finish
+    writes `done`, FAKE=fail exits 3, FAKE=serve waits for the stop request and exits 0, as
+    train.py does."""
+    bin_dir.mkdir()
+    (bin_dir / "torchrun").write_text(
+        "#!/usr/bin/env bash\nset -euo pipefail\n"
+        'echo "$*" >> "$SLURM_STANDIN_LOG/torchrun"\n'
+        'case "$FAKE" in\n'
+        '  finish) mkdir -p "$OUT_DIR"; echo 10000 > "$OUT_DIR/done" ;;\n'
+        '  fail) touch "$SLURM_STANDIN_LOG/started"; sleep 1; exit 3 ;;\n'
+        '  serve) touch "$SLURM_STANDIN_LOG/started"; while [ ! -f "$OUT_DIR/stop" ]; do sleep 0.05; done ;;\n'
+        "esac\n")
+    (bin_dir / "torchrun").chmod(0o755)
 
-    logs, proc = sbatch("finished", SRUN_FINISHES="1")
-    assert proc.wait(timeout=60) == 0, proc.stderr.read()
-    assert "requeue" not in (logs / "scontrol").read_text()
+
+def test_the_slurm_script_runs_the_readmes_multinode_command_and_requeues_only_a_run_stopped_for_the_time_limit(
+        tmp_path):
+    bin_dir, out = tmp_path / "bin", tmp_path / "out"
+    fake_torchrun(bin_dir)
+
+    def submit(name, fake, **options):
+        options.setdefault("nodelist", "gpu-node-[07-08]")
+        logs = tmp_path / name
+        logs.mkdir()
+        env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT_DIR=str(out), FAKE=fake)
+        return logs, slurm.submit(SLURM_SCRIPT, env=env, submit_dir=REPO_DIR, log_dir=logs, **options)
+
+    logs, job = submit("finished", "finish")
+    assert job.wait(timeout=60) == (0, 0)
+    [srun] = (logs / "srun").read_text().splitlines()
+    assert srun.startswith("--kill-on-bad-exit=1 --cpus-per-task=32 torchrun ")
+    readme = readme_multinode_command().replace("$HEAD_NODE", "gpu-node-07").split()[1:] + [f"--out_dir={out}"]
+    assert [line.split() for line in (logs / "torchrun").read_text().splitlines()] == [readme, readme]  # 2 nodes
+    assert (logs / "scontrol").read_text().splitlines() == ["show hostnames gpu-node-[07-08]"]
 
     (out / "done").unlink()
-    logs, proc = sbatch("failed", SRUN_EXIT="3")
-    assert proc.wait(timeout=60) == 3
-    assert "requeue" not in (logs / "scontrol").read_text()
+    logs, job = submit("time_limit", "serve")
+    slurm.wait_for((logs / "started").exists, 30, "the run")
+    job.signal_time_limit()
+    assert job.wait(timeout=60) == (0, 1)
+
+    one_node = dict(nodes=1, nodelist="gpu-node-07")  # one task: its exit code is srun's
+    logs, job = submit("failed", "fail", **one_node)
+    assert job.wait(timeout=60) == (3, 0)
+    assert not (out / "stop").exists()  # the stale request was removed before the start
+
+    logs, job = submit("failed_after_the_request", "fail", **one_node)
+    slurm.wait_for((logs / "started").exists, 30, "the run")
+    job.signal_time_limit()
+    assert job.wait(timeout=60) == (3, 0)  # a run that could not serve the stop is not requeued
+
+    logs, job = submit("signal_without_b", "serve", signal="USR1@600", **one_node)
+    slurm.wait_for((logs / "started").exists, 30, "the run")
+    job.signal_time_limit()  # to the step's processes, which USR1 kills (torchrun's agent too), not the shell
+    assert job.wait(timeout=60) == (128 + signal.SIGUSR1, 0)
+
+
+@pytest.mark.slow
+def test_the_slurm_time_limit_saves_the_step_in_flight_and_the_requeued_job_ends_on_the_uninterrupted_losses(
+        data_dir, tmp_path, reference):
+    """The batch script on one node with two CPU processes under real torchrun: SLURM's time-limit
+    signal comes during step 5 (the last checkpoint: step 4's), which rank 0 holds until the request
+    reaches the run folder. The run saves step 5 and exits 0, the job requeues itself once, and the
+    requeued start finishes with the uninterrupted run's losses, each step once."""
+    out = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1", OUT_DIR=str(out), RDZV_PORT=str(free_port()), FAULT="hold",
+               FAULT_RANK="0", FAULT_BEFORE_STEP="5", HOLD_UNTIL=str(out / "stop"))
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+    args = ["tests/faulty_worker.py", *tiny_args(data_dir, out, **RUN)]
+    job = slurm.submit(SLURM_SCRIPT, args, env=env, submit_dir=REPO_DIR, log_dir=tmp_path, nodes=1, gpus_per_node=2,
+                       cpus_per_task=2, nodelist="localhost")
+
+    def evaluated_step_4():
+        return (out / "metrics.jsonl").exists() and any(
+            r.get("step") == 4 and "val_loss" in r for r in read_all_metrics_lines(out))
+
+    slurm.wait_for(evaluated_step_4, 120, "the evaluation of step 4")
+    job.signal_time_limit()
+    code, requeues = job.wait(timeout=120)
+    output = (tmp_path / "job-4242.out").read_text()
+    assert (code, requeues) == (0, 1), output[-3000:]
+    assert "stopped by the request stop in the run folder after step 5" in output
+    assert load_checkpoint(str(out / "ckpt.pt"))["step"] == 5 and not (out / "done").exists()
+    assert not (out / "stop").exists()
+
+    code, requeues = job.start_requeued().wait(timeout=120)
+    output = (tmp_path / "job-4242.out").read_text()
+    assert (code, requeues) == (0, 0), output[-3000:]
+    assert "resuming at step 5 of 8" in output
+    assert_uninterrupted(out, reference)

@@ -106,3 +106,43 @@ def test_a_failing_wandb_init_is_one_line(data_dir, tmp_path, monkeypatch, capsy
         train.main(tiny_args(data_dir, tmp_path / "run", wandb_log=True))
     assert info.value.code == 2
     assert_one_error_line(capsys.readouterr().err, "wandb.init failed (api_key not configured", "WANDB_MODE=offline")
+
+
+@pytest.mark.slow
+def test_a_restarted_run_continues_its_wandb_run(data_dir, tmp_path):
+    """A run stopped after step 1 (its stop request made before the start) and started again with
+    the same command logs into one W&B run, whose id the run folder keeps."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", WANDB_DIR=str(tmp_path), WANDB_SILENT="true",
+               HF_HUB_OFFLINE="1")
+
+    def start(out):
+        proc = subprocess.run([sys.executable, os.path.join(REPO_DIR, "train.py"),
+                               *tiny_args(data_dir, out, wandb_log=True, init_from="auto", max_iters=4, eval_interval=2,
+                                          log_interval=1)],
+                              cwd=REPO_DIR, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stdout
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "stop").touch()
+    assert "stopped by the request stop in the run folder after step 1" in start(out)
+    run_id = (out / "wandb_run_id").read_text().strip()
+    assert "resuming at step 1 of 4" in start(out)
+    assert (out / "wandb_run_id").read_text().strip() == run_id
+    files = sorted((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert [path.name for path in files] == [f"run-{run_id}.wandb"] * 2
+    assert [sorted(wandb_history(path)) for path in files] == [[0, 1], [2, 3, 4]]
+
+
+def test_a_start_from_scratch_begins_a_new_wandb_run(data_dir, tmp_path, monkeypatch):
+    """Even in a folder that kept the id of an earlier training."""
+    calls, real_init = [], wandb.init
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: calls.append(kwargs) or real_init(mode="disabled"))
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "wandb_run_id").write_text("earlier\n")
+    train.main(tiny_args(data_dir, out, wandb_log=True, max_iters=1))
+    [kwargs] = calls
+    assert kwargs["resume"] == "allow" and kwargs["id"] not in ("earlier", None)
+    assert (out / "wandb_run_id").read_text() == kwargs["id"] + "\n"
