@@ -68,7 +68,7 @@ def init_streams(config) -> list[int | None]:
     if config.init_stream == "wrapper_mod_n" or config.residual == "res":
         return [None] * n_wrappers
     generator = torch.Generator().manual_seed(config.init_stream_seed)
-    return torch.randint(config.n_streams, (n_wrappers,), generator=generator).tolist()
+    return torch.randint(config.n_streams, (n_wrappers,), generator=generator, device="cpu").tolist()
 
 
 def decayed(connection) -> list:

@@ -19,7 +19,8 @@ from dataclasses import dataclass, fields
 
 from authors import (CONNECTION_WEIGHT_DECAYS, FINAL_NORMS, H_RES_DTYPES, INIT_STREAMS, MIXING_DTYPES,
                      SINKHORN_ORDERS)
-from model import COMPILE_MODES, DEFAULT_COMPILE_MODE, MODEL_SIZES
+from model import MODEL_SIZES
+from parallelize import COMPILE_MODES, DEFAULT_COMPILE_MODE
 from residuals import RESIDUALS, RMS_EPS
 
 REPO_DIR = os.path.dirname(os.path.abspath(__file__))

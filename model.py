@@ -15,8 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import authors
-from residuals import (RESIDUALS, RMS_EPS, HyperConnection, ManifoldHyperConnection, at_least_fp32, expand_streams,
-                       reduce_streams, sinkhorn)
+from residuals import RESIDUALS, RMS_EPS, at_least_fp32, expand_streams, reduce_streams
 
 MODEL_SIZES = {
     "tiny": dict(n_layer=4, n_head=4, n_embd=128),  # ours: a CPU demo and test model
@@ -35,67 +34,6 @@ def model_shape(size: str) -> dict:
 
 
 STREAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-COMPILE_MODES = ("model", "blocks")
-DEFAULT_COMPILE_MODE = "model"  # train.py's and bench.py's
-
-
-SHARED_SINKHORN_TORCH = (2, 13)  # checked against eager there (tests/test_model.py)
-
-# residuals.sinkhorn as a nested compile region: torch.compile compiles it once and every mhc
-# connection calls that code, instead of one copy of its 40 log-sum-exps per connection. Eager it
-# is plain sinkhorn. Inductor must not reuse buffers around it: it does not know that the region's
-# saved-for-backward outputs alias its inputs, and would return wrong gradients.
-shared_sinkhorn = torch.compiler.nested_compile_region(sinkhorn)
-
-
-def shares_compiled_sinkhorn(options) -> bool:
-    """Whether compile_model with these torch.compile options gives mhc one compiled Sinkhorn: it
-    needs inductor's own options (no `mode`, which excludes them) and a torch where it was checked."""
-    return (options.get("backend", "inductor") == "inductor" and "mode" not in options
-            and torch.__version__ >= SHARED_SINKHORN_TORCH)
-
-
-SCALAR_CPU_HC_BACKWARD_BEFORE = (2, 13)  # torch versions before this get cpu_inductor_options (docs/benchmarks.md)
-
-
-def cpu_inductor_options(model, options) -> dict:
-    """Inductor options compile_model adds: for hc on CPU before torch 2.13, scalar C++
-    (cpp.simdlen 0), because the vectorised code inductor writes for hc's backward there stores
-    past a buffer (heap corruption) and scalar code computes it right."""
-    on_cpu = next(model.parameters()).device.type == "cpu"
-    uses_hc = any(isinstance(m, HyperConnection) for m in model.connections())
-    if (on_cpu and uses_hc and torch.__version__ < SCALAR_CPU_HC_BACKWARD_BEFORE
-            and options.get("backend", "inductor") == "inductor" and "mode" not in options):
-        return {"cpp.simdlen": 0}
-    return {}
-
-
-def compile_model(model, mode, **options):
-    """torch.compile the whole model ("model"), or each transformer Block and the output head
-    ("blocks", regional compilation). Every Block runs the same code on same-shaped inputs, and its
-    per-layer differences are parameter values, so all layers share the code compiled for the first:
-    compile time no longer grows with the number of layers. With inductor, mhc's reference-path
-    connections also share one compiled Sinkhorn (shared_sinkhorn), with inductor's buffer reuse
-    off, which that needs. options go to torch.compile. Returns what to call for forward."""
-    if mode not in COMPILE_MODES:
-        raise ValueError(f"unknown compile mode '{mode}'; valid: {', '.join(COMPILE_MODES)}")
-    sinkhorn_users = [m for m in model.connections() if isinstance(m, ManifoldHyperConnection)]
-    on_reference_path = model.connection_path(next(model.parameters()).device)["path"] == "reference"
-    if sinkhorn_users and on_reference_path and shares_compiled_sinkhorn(options):
-        for connection in sinkhorn_users:
-            connection.sinkhorn_fn = shared_sinkhorn
-        options["options"] = {**options.get("options", {}), "allow_buffer_reuse": False}
-    scalar_cpu_code = cpu_inductor_options(model, options)
-    if scalar_cpu_code:
-        options["options"] = {**options.get("options", {}), **scalar_cpu_code}
-    if mode == "model":
-        return torch.compile(model, **options)
-    for block in model.transformer.h:
-        block.compile(**options)
-    model.head = torch.compile(model.head, **options)
-    return model
-
-
 @dataclass
 class GPTConfig:
     block_size: int = 1024
@@ -246,20 +184,34 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
 
-        self.apply(self._init_weights)
+        with torch.no_grad():
+            for target, init in self.init_steps():
+                init(target)
+
+    def init_steps(self):
+        """The initialisation after construction, in the order it draws from torch's generator:
+        GPT-2's normal init of every Linear and Embedding (the tied weight twice, as nanoGPT's
+        apply does), its scaled init of the residual projections, then the paper's init of the
+        connections, which draws nothing. (parameter, init) pairs, init(tensor) filling a whole
+        tensor in place, then (connection, init) pairs, init(connection) resetting its parameters.
+        parallelize.materialise runs the same steps on whole copies and keeps each rank's shard."""
+        normal = lambda std: lambda tensor: nn.init.normal_(tensor, mean=0.0, std=std)  # noqa: E731
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                yield module.weight, normal(0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                yield module.bias, nn.init.zeros_
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):  # GPT-2's scaled init of the residual projections
-                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
-        for module in self.connections():  # the paper's init (zero projections), after the above
-            module.reset_parameters()
+                yield p, normal(0.02 / math.sqrt(2 * self.config.n_layer))
+        for connection in self.connections():
+            yield connection, type(connection).reset_parameters
 
-    def _init_weights(self, module):
-        if isinstance(module, nn.Linear):
-            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                torch.nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    def fresh_connections(self):
+        """The 2L connections as this config builds them on the CPU, with their buffers
+        (mhclite's permutations) and the paper's init; for a model built on the meta device."""
+        streams = authors.init_streams(self.config)
+        return [build_connection(self.config, i, stream) for i, stream in enumerate(streams)]
 
     def connections(self):
         return [m for block in self.transformer.h for m in (block.attn_connection, block.mlp_connection)]

@@ -29,15 +29,14 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from checkpoint import (DONE_FILE, CheckpointError, SaveError, check_same_model, check_same_run, finished_step,
                         has_checkpoint, load_checkpoint, load_sharded, load_sharded_run, low_space_warning,
                         remove_stale_temp_files, save_checkpoint, save_failure_line, save_sharded, sharded_path)
 from config import ConfigError, TrainConfig, load_config
 from devices import autocast_context, peak_flops, synchronize
-from model import GPT, GPTConfig, compile_model, connection_path_line, model_shape
-from parallelize import apply_ac, apply_fsdp
+from model import GPT, GPTConfig, connection_path_line, model_shape
+from parallelize import materialise, parallelize
 
 GPT2_PADDED_VOCAB = 50304  # GPT-2's 50257 tokens padded to a multiple of 64
 PREPARE_COMMANDS = {
@@ -581,16 +580,15 @@ def resume_checkpoint(cfg, mode, ckpt_path, master):
 
 
 def build_model(cfg, vocab_size, ckpt, ckpt_path, world):
-    """The GPT on its device: initialised from the seed (rank 0's weights are the ones DDP
-    broadcasts; FSDP broadcasts nothing, so there every rank builds rank 0's weights and keeps its
-    shard of them), or with the checkpoint's weights (a sharded checkpoint's come in restore_run)."""
+    """The GPT: on its device, initialised from the seed (rank 0's weights are the ones DDP
+    broadcasts) or with the checkpoint's weights; or, to be sharded, on the meta device, holding
+    nothing yet (parallelize.materialise gives each rank its shard of rank 0's weights, or a
+    sharded checkpoint's come in restore_run)."""
     random.seed(cfg.seed + world.rank)
     np.random.seed(cfg.seed + world.rank)
     torch.manual_seed(cfg.seed + world.rank)
     try:
-        with torch.random.fork_rng(devices=[], enabled=world.sharded):
-            if world.sharded:
-                torch.manual_seed(cfg.seed)
+        with torch.device("meta") if world.sharded else contextlib.nullcontext():
             model = GPT(build_model_config(cfg, vocab_size))
     except ValueError as e:
         raise ConfigError(str(e)) from None
@@ -598,7 +596,7 @@ def build_model(cfg, vocab_size, ckpt, ckpt_path, world):
         check_same_model(ckpt, asdict(model.config), ckpt_path)
         if not world.sharded:
             model.load_state_dict(ckpt["model"])
-    return model.to(world.device)
+    return model if world.sharded else model.to(world.device)
 
 
 def start_out_dir(cfg, model, step, tokens_per_step, dtype, world, ckpt_path):
@@ -675,11 +673,12 @@ def train(cfg, world):
     ckpt = resume_checkpoint(cfg, mode, ckpt_path, world.master)
     resuming = ckpt is not None
     raw_model = build_model(cfg, vocab_size, ckpt, ckpt_path, world)
-    if cfg.activation_checkpointing:
-        apply_ac(raw_model)
-    model = compile_model(raw_model, cfg.compile_mode) if compiled else raw_model
-    if world.sharded:  # in place: raw_model's parameters become this rank's shards
-        apply_fsdp(raw_model, torch.bfloat16 if dtype == "bfloat16" else torch.float32)
+    model, train_model = parallelize(raw_model, world.device, cfg.activation_checkpointing,
+                                     cfg.compile_mode if compiled else None, shard=world.sharded,
+                                     replicate=world.ddp and not world.sharded,
+                                     compute_dtype=torch.bfloat16 if dtype == "bfloat16" else torch.float32)
+    if world.sharded:  # this rank's shards of the seed's weights, or storage for the checkpoint's
+        materialise(raw_model, world.device, None if resuming else cfg.seed)
     optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
                                                world.device.type)
     state = TrainState(raw_model, optimizer, make_generator(cfg.seed, TRAIN_STREAM))
@@ -687,9 +686,6 @@ def train(cfg, world):
         restore_run(state, ckpt, world, ckpt_path)
     del ckpt
     eval_sets = eval_batches(cfg, paths)
-    device_ids = [world.device.index] if world.device.type == "cuda" else None
-    ddp = world.ddp and not world.sharded
-    train_model = DDP(model, device_ids=device_ids) if ddp else model  # evaluation runs without DDP
     peak = peak_flops(cfg, world.device, dtype)
     peak = peak * world.size if peak else None
     if world.master:

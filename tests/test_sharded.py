@@ -5,6 +5,7 @@ and the collector, mhclite stays exact under the bf16 policy, and bad input, dam
 checkpoints and failed saves are handled."""
 import contextlib
 import errno
+import json
 import os
 import pickle
 import shutil
@@ -373,3 +374,41 @@ def test_settings_the_sharded_mode_cannot_serve_are_one_line(data_dir, tmp_path,
     assert "--compile_mode=blocks" in line and not (tmp_path / "b").exists()
     line = one_error_line(train.main, tiny_args(data_dir, tmp_path / "c", parallel="zero"), capsys)
     assert "parallel" in line
+
+
+def construct_on_two_ranks(configs, folder=None):
+    """tests/construction_worker.py under torchrun on 2 processes: [rank 0's line, rank 1's line]."""
+    worker = os.path.join(REPO_DIR, "tests", "construction_worker.py")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           worker, json.dumps(configs), *([str(folder)] if folder else [])], cwd=REPO_DIR,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return sorted((json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")),
+                  key=lambda record: record["rank"])
+
+
+def test_a_model_built_on_the_meta_device_and_sharded_gets_one_process_weights_bit_for_bit(tmp_path):
+    """Every variant, the authors' drawn streams and a sampled permutation set: the shards of the
+    two ranks put together are the weights GPT(config) draws in one process from the same seed."""
+    shape = dict(block_size=16, vocab_size=37, n_layer=2, n_head=2, n_embd=12, bias=True)
+    configs = [dict(shape, residual=r) for r in ("res", "hc", "mhc")] + [
+        dict(shape, residual="mhclite", n_streams=6, mhclite_perms=8, init_stream="drawn", init_stream_seed=3)]
+    construct_on_two_ranks(configs, tmp_path)
+    for i, settings in enumerate(configs):
+        torch.manual_seed(1)
+        expected = GPT(GPTConfig(**settings)).state_dict()
+        sharded = torch.load(tmp_path / f"{i}.pt")
+        assert sharded.keys() == expected.keys()
+        for name, value in expected.items():
+            assert torch.equal(sharded[name].reshape(value.shape), value), (settings["residual"], name)
+
+
+@pytest.mark.slow
+def test_a_rank_holds_about_its_shard_while_a_large_model_is_built():
+    """A 7B-shaped model (width 4096, 32 heads) with 2 layers on 2 processes: each rank's peak memory
+    while it builds, shards and initialises the model is its shard plus about the largest parameter
+    (the one being drawn), below the whole model, which the ranks used to build each."""
+    config = dict(block_size=64, vocab_size=256, n_layer=2, n_head=32, n_embd=4096, residual="mhclite")
+    for record in construct_on_two_ranks([config]):
+        assert record["shard"] == pytest.approx(record["whole"] / 2, rel=1e-3)
+        assert record["peak"] < record["shard"] + 2 * record["largest"] < record["whole"], record
