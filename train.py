@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 import typing
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
@@ -33,8 +33,8 @@ import torch.distributed as dist
 from checkpoint import (DONE_FILE, CheckpointError, SaveError, check_same_model, check_same_run, finished_step,
                         has_checkpoint, load_checkpoint, load_sharded, load_sharded_run, low_space_warning,
                         remove_stale_temp_files, save_checkpoint, save_failure_line, save_sharded, sharded_path)
-from config import ConfigError, TrainConfig, load_config
-from devices import autocast_context, peak_flops, synchronize
+from config import ConfigError, help_text, load_config, model_settings
+from devices import DeviceError, autocast_context, peak_flops, synchronize
 from model import GPT, GPTConfig, connection_path_line, model_shape
 from parallelize import materialise, parallelize
 
@@ -507,19 +507,13 @@ class StopFlag:
 
 
 def build_model_config(cfg, vocab_size):
-    shape = model_shape(cfg.size)
-    for key in ("n_layer", "n_head", "n_embd"):
-        if getattr(cfg, key) is not None:
-            shape[key] = getattr(cfg, key)
-    return GPTConfig(block_size=cfg.block_size, vocab_size=vocab_size, dropout=cfg.dropout, bias=cfg.bias,
-                     residual=cfg.residual, n_streams=cfg.n_streams, mhclite_perms=cfg.mhclite_perms,
-                     mhclite_perm_sampling=cfg.mhclite_perm_sampling, perm_seed=cfg.perm_seed,
-                     sinkhorn_iters=cfg.sinkhorn_iters, recompute_connections=cfg.recompute_connections,
-                     stream_dtype=cfg.stream_dtype, fused_connections=cfg.fused_connections,
-                     final_norm=cfg.final_norm, rms_eps=cfg.rms_eps, sinkhorn_order=cfg.sinkhorn_order,
-                     init_stream=cfg.init_stream, init_stream_seed=cfg.seed if cfg.init_stream == "drawn" else 0,
-                     connection_weight_decay=cfg.connection_weight_decay, h_res_dtype=cfg.h_res_dtype,
-                     mixing_dtype=cfg.mixing_dtype, **shape)
+    """The GPTConfig of a run: its model settings, the size's shape where they leave it unset, the
+    data's vocabulary, and the run's seed for drawn init streams."""
+    settings = model_settings(cfg)
+    for key, value in model_shape(cfg.size).items():
+        if settings[key] is None:
+            settings[key] = value
+    return GPTConfig(**settings, vocab_size=vocab_size, init_stream_seed=cfg.seed if cfg.init_stream == "drawn" else 0)
 
 
 def start_mode(cfg, ckpt_path, world):
@@ -752,9 +746,8 @@ def mark_done(out_dir, state, ckpt_path):
 
 
 def usage():
-    lines = [__doc__.strip(), "", "Settings (--key=value) and defaults:"]
-    lines += [f"  --{f.name}={f.default}" for f in fields(TrainConfig)]
-    return "\n".join(lines)
+    return "\n".join([__doc__.strip(), "", "Settings (--key=value, or `key = value` in a config file), by group:",
+                      help_text()])
 
 
 def main(argv=None):
@@ -764,7 +757,7 @@ def main(argv=None):
         return
     try:
         code = run(load_config(argv))
-    except (ConfigError, DataError, CheckpointError) as e:
+    except (ConfigError, DeviceError, DataError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except NonFiniteError as e:
