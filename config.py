@@ -291,7 +291,8 @@ def help_text():
         lines += ["", f"{group}:"]
         for f in ordered:
             if f.metadata["group"] == group:
-                flag = f"--{f.name}={f.default}"
-                lines.append(f"  {flag:<36} {f.metadata['help']}" if len(flag) <= 36 else
-                             f"  {flag}\n  {'':<36} {f.metadata['help']}")
+                flag, text = f"--{f.name}={f.default}", f.metadata["help"]
+                if f.metadata["choices"] and not f.metadata["pattern"]:
+                    text += f" [{' | '.join(f.metadata['choices'])}]"
+                lines.append(f"  {flag:<34} {text}" if len(flag) <= 34 else f"  {flag}\n  {'':<34} {text}")
     return "\n".join(lines)

@@ -72,9 +72,6 @@ def in_unit_interval():
     return dict(valid=lambda v: 0 <= v < 1, requirement="in [0, 1)")
 
 
-PAPER, THEIRS = "the paper's", "the authors' code's"
-
-
 @dataclass
 class ModelSettings:
     """What a model computes and how it trains, as a user sets it (train.py's model settings)."""
@@ -82,8 +79,8 @@ class ModelSettings:
     n_streams: int = setting(4, "residual streams n of hc, mhc and mhclite (res has 1)", **at_least(1))
     mhclite_perms: int | None = setting(None, "mhclite: permutations K in H_res; None: all n! (n <= 5)",
                                         **at_least(1, " (or None: all n! permutations)"))
-    mhclite_perm_sampling: str = setting("uniform", "mhclite: how K < n! permutations are drawn; cover: the n "
-                                         "cyclic shifts first", choices=PERM_SAMPLINGS)
+    mhclite_perm_sampling: str = setting("uniform", "mhclite: how K < n! permutations are drawn (cover: the n "
+                                         "shifts first)", choices=PERM_SAMPLINGS)
     perm_seed: int = setting(0, "mhclite: seed of the permutation draw")
     sinkhorn_iters: int = setting(20, "mhc: Sinkhorn-Knopp iterations", **at_least(1))
     block_size: int = setting(1024, "context length in tokens", **at_least(1))
@@ -95,24 +92,23 @@ class ModelSettings:
     stream_dtype: str = setting("float32", "storage of the HC family's n streams", choices=tuple(STREAM_DTYPES))
     recompute_connections: bool = setting(False, "recompute the connections' internals in backward (memory)",
                                           training_only=True)
-    fused_connections: bool = setting(False, "Triton kernels for the HC family on CUDA; opt-in: slower than the "
-                                      "reference path so far", training_only=True)
+    fused_connections: bool = setting(False, "Triton kernels for the HC family on CUDA (opt-in: slower so "
+                                      "far)", training_only=True)
     # The paper as written (defaults) or as the authors' code ran it (authors.py, configs/authors.py):
-    final_norm: str = setting("after_sum", "final LayerNorm after the stream sum, or per_stream: on each, then "
-                              "the sum", choices=authors.SETTINGS["final_norm"])
+    final_norm: str = setting("after_sum", "final LayerNorm after the stream sum, or on each stream, then the "
+                              "sum", choices=authors.SETTINGS["final_norm"])
     rms_eps: float = setting(RMS_EPS, "inside the connections' RMS root; 0: F.normalize, the authors'",
                              **at_least(0, " (0: the authors' F.normalize)"))
-    sinkhorn_order: str = setting("cols_then_rows", "mhc: rows exact; rows_then_cols (the authors'): columns "
-                                  "exact", choices=authors.SETTINGS["sinkhorn_order"])
+    sinkhorn_order: str = setting("cols_then_rows", "mhc: rows exact, or columns (the authors')", choices=authors.SETTINGS["sinkhorn_order"])
     init_stream: str = setting("wrapper_mod_n", "the stream a wrapper reads at init; drawn (the authors'): "
                                "seeded with seed", choices=authors.SETTINGS["init_stream"], training_only=True)
     connection_weight_decay: str = setting("projections", "decayed connection parameters; authors: every >= 2-D "
-                                           "one in their layout", choices=authors.SETTINGS["connection_weight_decay"],
+                                           "one", choices=authors.SETTINGS["connection_weight_decay"],
                                            training_only=True)
-    h_res_dtype: str = setting("float32", "mhclite; autocast (the authors'): the permutations combined in bf16 "
-                               "under autocast", choices=authors.SETTINGS["h_res_dtype"])
-    mixing_dtype: str = setting("float32", "autocast (the authors'): u and h_res x with bf16 operands and result "
-                                "under autocast", choices=authors.SETTINGS["mixing_dtype"])
+    h_res_dtype: str = setting("float32", "mhclite: the permutations combined in fp32, or in bf16 under "
+                               "autocast (the authors')", choices=authors.SETTINGS["h_res_dtype"])
+    mixing_dtype: str = setting("float32", "u and h_res x in fp32, or with bf16 operands and result under "
+                                "autocast (the authors')", choices=authors.SETTINGS["mixing_dtype"])
 
 
 @dataclass

@@ -251,7 +251,9 @@ def test_help_lists_every_setting_once_under_its_group_with_description_and_defa
         section = sections[f.metadata["group"]]
         assert printed.count(f"  --{f.name}=") == 1 and f"  --{f.name}={f.default}" in section, f.name
         description = section.split(f"  --{f.name}={f.default}", 1)[1].split("\n  --", 1)[0].strip()
-        assert description == f.metadata["help"] and len(description) > 10, f.name
+        assert description.startswith(f.metadata["help"]) and len(f.metadata["help"]) > 10, f.name
+        for choice in f.metadata["choices"] or ():
+            assert choice in description, (f.name, choice)
 
 
 def test_every_model_setting_reaches_the_model_config_unchanged():
