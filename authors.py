@@ -1,7 +1,8 @@
 """The authors' training code (FFTYYY/mhc-lite), where it differs from the paper as written.
 
-Each difference is one model setting (model.ModelSettings) whose default is the paper's; configs/authors.py sets them all
-to the authors' values. docs/faithfulness.md says where each is in their code and what it changes.
+Each difference is one model setting (model.ModelSettings) whose default is the paper's;
+configs/authors.py sets them all to the authors' values. docs/faithfulness.md says where each is in
+their code and what it changes.
 residuals.py stays the paper; the connection subclasses here add the authors' arithmetic.
 """
 

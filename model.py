@@ -249,7 +249,9 @@ class GPT(nn.Module):
         connections, which draws nothing. (parameter, init) pairs, init(tensor) filling a whole
         tensor in place, then (connection, init) pairs, init(connection) resetting its parameters.
         parallelize.materialise runs the same steps on whole copies and keeps each rank's shard."""
-        normal = lambda std: lambda tensor: nn.init.normal_(tensor, mean=0.0, std=std)  # noqa: E731
+        def normal(std):
+            return lambda tensor: nn.init.normal_(tensor, mean=0.0, std=std)
+
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 yield module.weight, normal(0.02)

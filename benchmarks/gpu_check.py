@@ -131,7 +131,8 @@ def run_part(part, args):
     """Runs a part's commands (all of them, even after one fails), logging to OUT/<part>.log; returns
     (status, seconds)."""
     if part in ("train", "sharded"):
-        runs = [f"train-{residual}" for residual in VARIANTS] if part == "train" else map(sharded_dir, dict(SHARDED_RUNS))
+        runs = ([f"train-{residual}" for residual in VARIANTS] if part == "train" else
+                [sharded_dir(name) for name, _ in SHARDED_RUNS])
         for run in runs:  # every run starts afresh
             shutil.rmtree(os.path.join(args.out, run), ignore_errors=True)
         write_random_data(os.path.join(args.out, "data"))
