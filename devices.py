@@ -1,12 +1,17 @@
 """What training and the benchmarks need of the device a run uses: its autocast, a synchronisation
 point for timing, and its peak FLOP/s for MFU. `cfg` is anything with train.py's `dtype` and
-`peak_flops` settings (a TrainConfig, or a benchmark's parsed flags)."""
+`peak_flops` settings (a TrainConfig, or a benchmark's parsed flags). It sits below the config:
+a setting the device cannot serve is a DeviceError, which train.py reports as it reports a bad
+setting (one `error:` line, exit 2)."""
 
 import contextlib
 
 import torch
 
-from config import ConfigError
+
+class DeviceError(ValueError):
+    """This device cannot run what the settings ask for."""
+
 
 # Dense bf16 tensor-core peak FLOP/s for MFU, matched against the GPU name in this order.
 PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
@@ -22,7 +27,7 @@ def autocast_context(cfg, device):
     if dtype == "float32":
         return dtype, contextlib.nullcontext()
     if device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ConfigError("this GPU does not support bfloat16; use --dtype=float32")
+        raise DeviceError("this GPU does not support bfloat16; use --dtype=float32")
     return dtype, torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 

@@ -27,13 +27,6 @@ REPO_DIR = os.path.dirname(os.path.abspath(__file__))
 MODELING_FILES = ("hf/configuration_mhclite_gpt.py", "hf/modeling_mhclite_gpt.py", "residuals.py", "authors.py")
 AUTO_MAP = {"AutoConfig": "configuration_mhclite_gpt.MHCLiteGPTConfig",
             "AutoModelForCausalLM": "modeling_mhclite_gpt.MHCLiteGPTForCausalLM"}
-# GPTConfig settings the exported model computes with (hf/configuration_mhclite_gpt.py), and those
-# that change only training (init, optimizer, memory, dropout) or which kernels run: not exported.
-EXPORTED_SETTINGS = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "bias", "residual", "n_streams",
-                     "mhclite_perms", "mhclite_perm_sampling", "perm_seed", "sinkhorn_iters", "stream_dtype",
-                     "final_norm", "rms_eps", "sinkhorn_order", "h_res_dtype", "mixing_dtype")
-TRAINING_ONLY_SETTINGS = ("dropout", "recompute_connections", "fused_connections", "init_stream", "init_stream_seed",
-                          "connection_weight_decay")
 
 
 class ExportError(Exception):
@@ -41,14 +34,9 @@ class ExportError(Exception):
 
 
 def model_settings(config):
-    """The exported settings of a GPTConfig; an unknown setting is an error, since the exported
-    code would silently compute without it."""
-    settings = dataclasses.asdict(config)
-    unknown = sorted(set(settings) - set(EXPORTED_SETTINGS) - set(TRAINING_ONLY_SETTINGS))
-    if unknown:
-        raise ExportError(f"the export does not know the model setting(s) {', '.join(unknown)}; "
-                          "add them to hf/ and export_hf.py")
-    return {key: settings[key] for key in EXPORTED_SETTINGS}
+    """The settings of a GPTConfig the exported model computes with (hf/configuration_mhclite_gpt.py):
+    all but those model.setting marks training_only (init, optimizer, memory, dropout, kernels)."""
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if not f.metadata["training_only"]}
 
 
 def char_tokenizer(itos):

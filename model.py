@@ -8,15 +8,15 @@ value of each is what the authors' code computes (configs/authors.py, docs/faith
 """
 
 import math
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import authors
-from residuals import (RESIDUALS, RMS_EPS, HyperConnection, ManifoldHyperConnection, at_least_fp32, expand_streams,
-                       reduce_streams, sinkhorn)
+from residuals import PERM_SAMPLINGS, RESIDUALS, RMS_EPS, at_least_fp32, expand_streams, reduce_streams
 
 MODEL_SIZES = {
     "tiny": dict(n_layer=4, n_head=4, n_embd=128),  # ours: a CPU demo and test model
@@ -34,107 +34,99 @@ def model_shape(size: str) -> dict:
     return dict(MODEL_SIZES[size])
 
 
+DEFAULT_SIZE = "M"
 STREAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-COMPILE_MODES = ("model", "blocks")
-DEFAULT_COMPILE_MODE = "model"  # train.py's and bench.py's
+def setting(default, help, group="model", choices=None, valid=None, requirement=None, pattern=None,
+            training_only=False):
+    """A dataclass field that describes itself: `help`, the one line --help prints; `group`, the
+    heading it is listed under; its check, `choices` (or a `pattern` they name) or a predicate
+    `valid` with its `requirement` as the error states it; `training_only`: the setting changes
+    training (init, optimizer, memory, dropout) or which kernels run, not what the model computes,
+    so the Hugging Face export leaves it out."""
+    return field(default=default, metadata=dict(help=help, group=group, choices=choices, valid=valid,
+                                                requirement=requirement, pattern=pattern,
+                                                training_only=training_only))
 
 
-SHARED_SINKHORN_TORCH = (2, 13)  # checked against eager there (tests/test_model.py)
-
-# residuals.sinkhorn as a nested compile region: torch.compile compiles it once and every mhc
-# connection calls that code, instead of one copy of its 40 log-sum-exps per connection. Eager it
-# is plain sinkhorn. Inductor must not reuse buffers around it: it does not know that the region's
-# saved-for-backward outputs alias its inputs, and would return wrong gradients.
-shared_sinkhorn = torch.compiler.nested_compile_region(sinkhorn)
-
-
-def shares_compiled_sinkhorn(options) -> bool:
-    """Whether compile_model with these torch.compile options gives mhc one compiled Sinkhorn: it
-    needs inductor's own options (no `mode`, which excludes them) and a torch where it was checked."""
-    return (options.get("backend", "inductor") == "inductor" and "mode" not in options
-            and torch.__version__ >= SHARED_SINKHORN_TORCH)
-
-
-SCALAR_CPU_HC_BACKWARD_BEFORE = (2, 13)  # torch versions before this get cpu_inductor_options (docs/benchmarks.md)
+def check_settings(settings):
+    """Check every field of a dataclass built with setting() against its own check; the first bad
+    value is one ValueError line. Unset optional settings (None) are not checked."""
+    for f in fields(settings):
+        value, meta = getattr(settings, f.name), f.metadata
+        if value is None or not meta:
+            continue
+        if meta["pattern"] is not None and not re.fullmatch(meta["pattern"], value) or (
+                meta["pattern"] is None and meta["choices"] is not None and value not in meta["choices"]):
+            raise ValueError(f"unknown {f.name} '{value}'; valid: {', '.join(meta['choices'])}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{f.name} must be a finite number, got {value}")
+        if meta["valid"] is not None and not meta["valid"](value):
+            raise ValueError(f"{f.name} must be {meta['requirement']}, got {value}")
 
 
-def cpu_inductor_options(model, options) -> dict:
-    """Inductor options compile_model adds: for hc on CPU before torch 2.13, scalar C++
-    (cpp.simdlen 0), because the vectorised code inductor writes for hc's backward there stores
-    past a buffer (heap corruption) and scalar code computes it right."""
-    on_cpu = next(model.parameters()).device.type == "cpu"
-    uses_hc = any(isinstance(m, HyperConnection) for m in model.connections())
-    if (on_cpu and uses_hc and torch.__version__ < SCALAR_CPU_HC_BACKWARD_BEFORE
-            and options.get("backend", "inductor") == "inductor" and "mode" not in options):
-        return {"cpp.simdlen": 0}
-    return {}
+def at_least(bound, note=""):
+    return dict(valid=lambda v: v >= bound, requirement=f">= {bound}{note}")
 
 
-def compile_model(model, mode, **options):
-    """torch.compile the whole model ("model"), or each transformer Block and the output head
-    ("blocks", regional compilation). Every Block runs the same code on same-shaped inputs, and its
-    per-layer differences are parameter values, so all layers share the code compiled for the first:
-    compile time no longer grows with the number of layers. With inductor, mhc's reference-path
-    connections also share one compiled Sinkhorn (shared_sinkhorn), with inductor's buffer reuse
-    off, which that needs. options go to torch.compile. Returns what to call for forward."""
-    if mode not in COMPILE_MODES:
-        raise ValueError(f"unknown compile mode '{mode}'; valid: {', '.join(COMPILE_MODES)}")
-    sinkhorn_users = [m for m in model.connections() if isinstance(m, ManifoldHyperConnection)]
-    on_reference_path = model.connection_path(next(model.parameters()).device)["path"] == "reference"
-    if sinkhorn_users and on_reference_path and shares_compiled_sinkhorn(options):
-        for connection in sinkhorn_users:
-            connection.sinkhorn_fn = shared_sinkhorn
-        options["options"] = {**options.get("options", {}), "allow_buffer_reuse": False}
-    scalar_cpu_code = cpu_inductor_options(model, options)
-    if scalar_cpu_code:
-        options["options"] = {**options.get("options", {}), **scalar_cpu_code}
-    if mode == "model":
-        return torch.compile(model, **options)
-    for block in model.transformer.h:
-        block.compile(**options)
-    model.head = torch.compile(model.head, **options)
-    return model
+def in_unit_interval():
+    return dict(valid=lambda v: 0 <= v < 1, requirement="in [0, 1)")
 
 
 @dataclass
-class GPTConfig:
-    block_size: int = 1024
-    vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 64
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
-    dropout: float = 0.0
-    bias: bool = False
-    residual: str = "res"  # one of RESIDUALS
-    n_streams: int = 4  # forced to 1 for res
-    mhclite_perms: int | None = None  # K permutations; None = all n! (n <= 5)
-    mhclite_perm_sampling: str = "uniform"  # or "cover"
-    perm_seed: int = 0
-    sinkhorn_iters: int = 20
-    recompute_connections: bool = False
-    stream_dtype: str = "float32"  # storage of the HC family's n streams: float32 or bfloat16
-    fused_connections: bool = False  # Triton kernels for the HC family on CUDA; opt-in: slower than the reference path so far
-    # The paper as written (defaults) or as the authors' code runs it (the other value; authors.py):
-    final_norm: str = "after_sum"  # final LayerNorm after the stream sum, or on each stream then the sum
-    rms_eps: float = RMS_EPS  # inside the connections' RMS root; 0 = F.normalize (the authors')
-    sinkhorn_order: str = "cols_then_rows"  # mhc: rows exact; "rows_then_cols": columns exact
-    init_stream: str = "wrapper_mod_n"  # the stream each wrapper reads at init, or "drawn" with init_stream_seed
-    init_stream_seed: int = 0
-    connection_weight_decay: str = "projections"  # or "authors": every >= 2-D parameter in their layout
-    h_res_dtype: str = "float32"  # mhclite: "autocast" combines the permutations in bf16 under autocast
-    mixing_dtype: str = "float32"  # "autocast": the stream mixing's operands and result in bf16 under autocast
+class ModelSettings:
+    """What a model computes and how it trains, as a user sets it (train.py's model settings)."""
+    residual: str = setting("res", "the residual connection", choices=tuple(RESIDUALS))
+    n_streams: int = setting(4, "residual streams n of hc, mhc and mhclite (res has 1)", **at_least(1))
+    mhclite_perms: int | None = setting(None, "mhclite: permutations K in H_res; None: all n! (n <= 5)",
+                                        **at_least(1, " (or None: all n! permutations)"))
+    mhclite_perm_sampling: str = setting("uniform", "mhclite: how K < n! permutations are drawn (cover: the n "
+                                         "shifts first)", choices=PERM_SAMPLINGS)
+    perm_seed: int = setting(0, "mhclite: seed of the permutation draw")
+    sinkhorn_iters: int = setting(20, "mhc: Sinkhorn-Knopp iterations", **at_least(1))
+    block_size: int = setting(1024, "context length in tokens", **at_least(1))
+    n_layer: int | None = setting(None, "transformer blocks; None: the size's", **at_least(1))
+    n_head: int | None = setting(None, "attention heads; None: the size's", **at_least(1))
+    n_embd: int | None = setting(None, "width C; None: the size's", **at_least(1))
+    dropout: float = setting(0.0, "dropout probability", training_only=True, **in_unit_interval())
+    bias: bool = setting(False, "biases in the Linear and LayerNorm layers")
+    stream_dtype: str = setting("float32", "storage of the HC family's n streams", choices=tuple(STREAM_DTYPES))
+    recompute_connections: bool = setting(False, "recompute the connections' internals in backward (memory)",
+                                          training_only=True)
+    fused_connections: bool = setting(False, "Triton kernels for the HC family on CUDA (opt-in: slower so "
+                                      "far)", training_only=True)
+    # The paper as written (defaults) or as the authors' code ran it (authors.py, configs/authors.py):
+    final_norm: str = setting("after_sum", "final LayerNorm after the stream sum, or on each stream, then the "
+                              "sum", choices=authors.SETTINGS["final_norm"])
+    rms_eps: float = setting(RMS_EPS, "inside the connections' RMS root; 0: F.normalize, the authors'",
+                             **at_least(0, " (0: the authors' F.normalize)"))
+    sinkhorn_order: str = setting("cols_then_rows", "mhc: rows exact, or columns (the authors')", choices=authors.SETTINGS["sinkhorn_order"])
+    init_stream: str = setting("wrapper_mod_n", "the stream a wrapper reads at init; drawn (the authors'): "
+                               "seeded with seed", choices=authors.SETTINGS["init_stream"], training_only=True)
+    connection_weight_decay: str = setting("projections", "decayed connection parameters; authors: every >= 2-D "
+                                           "one", choices=authors.SETTINGS["connection_weight_decay"],
+                                           training_only=True)
+    h_res_dtype: str = setting("float32", "mhclite: the permutations combined in fp32, or in bf16 under "
+                               "autocast (the authors')", choices=authors.SETTINGS["h_res_dtype"])
+    mixing_dtype: str = setting("float32", "u and h_res x in fp32, or with bf16 operands and result under "
+                                "autocast (the authors')", choices=authors.SETTINGS["mixing_dtype"])
+
+
+@dataclass
+class GPTConfig(ModelSettings):
+    """Everything GPT(config) needs: the model settings, with the shape given (None: M's), the
+    vocabulary and the seed of drawn init streams."""
+    vocab_size: int = setting(50304, "GPT-2's 50257 tokens padded to a multiple of 64", **at_least(1))
+    init_stream_seed: int = setting(0, "seed of init_stream=drawn", training_only=True)
 
     def __post_init__(self):
-        if self.residual not in RESIDUALS:
-            raise ValueError(f"unknown residual '{self.residual}'; valid: {', '.join(RESIDUALS)}")
+        for key, value in MODEL_SIZES[DEFAULT_SIZE].items():
+            if getattr(self, key) is None:
+                setattr(self, key, value)
         if self.residual == "res":
             self.n_streams = 1
-        if self.n_streams < 1:
-            raise ValueError(f"n_streams must be >= 1, got {self.n_streams}")
+        check_settings(self)
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
-        if self.stream_dtype not in STREAM_DTYPES:
-            raise ValueError(f"unknown stream_dtype '{self.stream_dtype}'; valid: {', '.join(STREAM_DTYPES)}")
         authors.check(self)
 
 
@@ -246,20 +238,36 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
 
-        self.apply(self._init_weights)
+        with torch.no_grad():
+            for target, init in self.init_steps():
+                init(target)
+
+    def init_steps(self):
+        """The initialisation after construction, in the order it draws from torch's generator:
+        GPT-2's normal init of every Linear and Embedding (the tied weight twice, as nanoGPT's
+        apply does), its scaled init of the residual projections, then the paper's init of the
+        connections, which draws nothing. (parameter, init) pairs, init(tensor) filling a whole
+        tensor in place, then (connection, init) pairs, init(connection) resetting its parameters.
+        parallelize.materialise runs the same steps on whole copies and keeps each rank's shard."""
+        def normal(std):
+            return lambda tensor: nn.init.normal_(tensor, mean=0.0, std=std)
+
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                yield module.weight, normal(0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                yield module.bias, nn.init.zeros_
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):  # GPT-2's scaled init of the residual projections
-                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
-        for module in self.connections():  # the paper's init (zero projections), after the above
-            module.reset_parameters()
+                yield p, normal(0.02 / math.sqrt(2 * self.config.n_layer))
+        for connection in self.connections():
+            yield connection, type(connection).reset_parameters
 
-    def _init_weights(self, module):
-        if isinstance(module, nn.Linear):
-            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                torch.nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    def fresh_connections(self):
+        """The 2L connections as this config builds them on the CPU, with their buffers
+        (mhclite's permutations) and the paper's init; for a model built on the meta device."""
+        streams = authors.init_streams(self.config)
+        return [build_connection(self.config, i, stream) for i, stream in enumerate(streams)]
 
     def connections(self):
         return [m for block in self.transformer.h for m in (block.attn_connection, block.mlp_connection)]

@@ -1,13 +1,98 @@
-"""Memory and parallelism techniques applied from outside to a plain GPT (model.py), one small
-function each, as torchtitan's parallelize does. train.py calls them in this order: build the GPT,
-checkpoint its blocks' activations (apply_ac), compile it block by block, then shard it
-(apply_fsdp) or wrap it in DDP. model.py and residuals.py never import this file: the model a user
+"""Memory and parallelism techniques applied from outside to a plain GPT (model.py), as
+torchtitan's parallelize does: `parallelize` checkpoints the blocks' activations (apply_ac),
+compiles (compile_model), then shards the model (apply_fsdp) or wraps it in DDP, in that order.
+A model too large for one device is built on the meta device, sharded, then given its weights
+shard by shard (materialise). model.py and residuals.py never import this file: the model a user
 copies stays a plain nn.Module.
 """
 
 import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from residuals import HyperConnection, ManifoldHyperConnection, sinkhorn
+
+
+COMPILE_MODES = ("model", "blocks")
+DEFAULT_COMPILE_MODE = "model"  # train.py's and bench.py's
+
+
+SHARED_SINKHORN_TORCH = (2, 13)  # checked against eager there (tests/test_model.py)
+
+# residuals.sinkhorn as a nested compile region: torch.compile compiles it once and every mhc
+# connection calls that code, instead of one copy of its 40 log-sum-exps per connection. Eager it
+# is plain sinkhorn. Inductor must not reuse buffers around it: it does not know that the region's
+# saved-for-backward outputs alias its inputs, and would return wrong gradients.
+shared_sinkhorn = torch.compiler.nested_compile_region(sinkhorn)
+
+
+def shares_compiled_sinkhorn(options) -> bool:
+    """Whether compile_model with these torch.compile options gives mhc one compiled Sinkhorn: it
+    needs inductor's own options (no `mode`, which excludes them) and a torch where it was checked."""
+    return (options.get("backend", "inductor") == "inductor" and "mode" not in options
+            and torch.__version__ >= SHARED_SINKHORN_TORCH)
+
+
+SCALAR_CPU_HC_BACKWARD_BEFORE = (2, 13)  # torch versions before this get cpu_inductor_options (docs/benchmarks.md)
+
+
+def cpu_inductor_options(model, options, device=None) -> dict:
+    """Inductor options compile_model adds: for hc on CPU before torch 2.13, scalar C++
+    (cpp.simdlen 0), because the vectorised code inductor writes for hc's backward there stores
+    past a buffer (heap corruption) and scalar code computes it right. device: where the model
+    runs (default: where its parameters are)."""
+    on_cpu = (device or next(model.parameters()).device).type == "cpu"
+    uses_hc = any(isinstance(m, HyperConnection) for m in model.connections())
+    if (on_cpu and uses_hc and torch.__version__ < SCALAR_CPU_HC_BACKWARD_BEFORE
+            and options.get("backend", "inductor") == "inductor" and "mode" not in options):
+        return {"cpp.simdlen": 0}
+    return {}
+
+
+def compile_model(model, mode, device=None, **options):
+    """torch.compile the whole model ("model"), or each transformer Block and the output head
+    ("blocks", regional compilation). Every Block runs the same code on same-shaped inputs, and its
+    per-layer differences are parameter values, so all layers share the code compiled for the first:
+    compile time no longer grows with the number of layers. With inductor, mhc's reference-path
+    connections also share one compiled Sinkhorn (shared_sinkhorn), with inductor's buffer reuse
+    off, which that needs. device: where the model runs (default: where its parameters are; a
+    model on the meta device runs elsewhere). options go to torch.compile. Returns what to call
+    for forward."""
+    device = device or next(model.parameters()).device
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"unknown compile mode '{mode}'; valid: {', '.join(COMPILE_MODES)}")
+    sinkhorn_users = [m for m in model.connections() if isinstance(m, ManifoldHyperConnection)]
+    on_reference_path = model.connection_path(device)["path"] == "reference"
+    if sinkhorn_users and on_reference_path and shares_compiled_sinkhorn(options):
+        for connection in sinkhorn_users:
+            connection.sinkhorn_fn = shared_sinkhorn
+        options["options"] = {**options.get("options", {}), "allow_buffer_reuse": False}
+    scalar_cpu_code = cpu_inductor_options(model, options, device)
+    if scalar_cpu_code:
+        options["options"] = {**options.get("options", {}), **scalar_cpu_code}
+    if mode == "model":
+        return torch.compile(model, **options)
+    for block in model.transformer.h:
+        block.compile(**options)
+    model.head = torch.compile(model.head, **options)
+    return model
+
+
+def parallelize(model, device, activation_checkpointing=False, compile_mode=None, shard=False, replicate=False,
+                compute_dtype=torch.float32):
+    """Apply to a plain GPT, in this order: activation checkpointing, torch.compile (compile_mode
+    "model" or "blocks"; None: eager), then FSDP2 sharding in place (shard) or DDP (replicate,
+    under a process group). Returns (model, train_model): what evaluation calls, and what a
+    training step calls (DDP's wrapper, whose gradient averaging evaluation does not need)."""
+    if activation_checkpointing:
+        apply_ac(model)
+    runner = compile_model(model, compile_mode, device=device) if compile_mode else model
+    if shard:  # in place: model's parameters become this rank's shards
+        apply_fsdp(model, compute_dtype)
+    if replicate:
+        return runner, DDP(runner, device_ids=[device.index] if device.type == "cuda" else None)
+    return runner, runner
 
 
 def apply_ac(model):
@@ -65,3 +150,64 @@ def as_vectors(model):
         for name, param in list(module.named_parameters(recurse=False)):
             if param.dim() == 0:
                 setattr(module, name, nn.Parameter(param.detach().reshape(1), requires_grad=param.requires_grad))
+
+
+def materialise(model, device, seed=None):
+    """Give a model built on the meta device and sharded (apply_fsdp) its storage on `device`, its
+    buffers, and with a seed the weights one process draws for GPT(config) after
+    torch.manual_seed(seed), bit for bit, without ever holding the whole model: each parameter's
+    whole value is drawn on the CPU in the order one process draws it, and only this rank's shard
+    is kept (peak memory: the shards and the largest parameter). Without a seed (a resume, whose
+    checkpoint fills the shards next) nothing is drawn. torch's generator is left as it was."""
+    from torch.distributed.tensor import DTensor
+    filled = set()
+
+    def keep_shard(param, whole):
+        filled.add(id(param))
+        whole = whole.reshape(param.shape)  # as_vectors made the 0-D parameters 1-element vectors
+        local = param.to_local() if isinstance(param, DTensor) else param
+        if isinstance(param, DTensor):  # every rank has the whole value: take its chunk, no communication
+            (placement,) = param.placements  # FSDP2 shards one dimension with torch.chunk's split
+            chunks = whole.chunk(param.device_mesh.size(), placement.dim)
+            rank = param.device_mesh.get_local_rank()
+            whole = chunks[rank] if rank < len(chunks) else whole.new_empty(local.shape)
+        local.copy_(whole)
+
+    def keep_module(module, built):
+        for name, param in built.named_parameters():
+            keep_shard(module.get_parameter(name), param)
+
+    model.to_empty(device=device)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        fresh = model.fresh_connections()  # their proj Linears draw: before the seed
+        for connection, built in zip(model.connections(), fresh):
+            for name, buffer in built.named_buffers():
+                connection.get_buffer(name).copy_(buffer)
+        if seed is None:
+            return model
+        torch.manual_seed(seed)
+        for module in model.modules():  # the constructors' values, drawn in their order
+            if isinstance(module, nn.Linear):
+                built = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+            elif isinstance(module, nn.Embedding):
+                built = nn.Embedding(module.num_embeddings, module.embedding_dim)
+            elif isinstance(module, nn.LayerNorm):
+                built = nn.LayerNorm(module.normalized_shape, module.eps, module.elementwise_affine,
+                                     bias=module.bias is not None)
+            else:
+                continue
+            keep_module(module, built)
+            del built  # before the next one is drawn
+        fresh = dict(zip(map(id, model.connections()), fresh))
+        for target, init in model.init_steps():
+            if isinstance(target, nn.Module):  # a connection: the paper's init, from its fresh copy
+                keep_module(target, fresh[id(target)])
+            else:
+                whole = torch.empty(target.shape, dtype=target.dtype)
+                init(whole)
+                keep_shard(target, whole)
+                del whole  # before the next one is drawn
+        missed = [name for name, param in model.named_parameters() if id(param) not in filled]
+        if missed:
+            raise ValueError(f"materialise does not know how {missed[0]} is initialised")
+    return model

@@ -82,12 +82,12 @@ def permutations(n: int, k: int | None = None, seed: int = 0, sampling: str = "u
     if n <= _ENUMERATE_LIMIT:
         taken = set(chosen)
         rest = [p for p in itertools.permutations(range(n)) if p not in taken]
-        order = torch.randperm(len(rest), generator=generator)[: k - len(chosen)]
+        order = torch.randperm(len(rest), generator=generator, device="cpu")[: k - len(chosen)]
         chosen += [rest[i] for i in order.tolist()]
     else:
         taken = set(chosen)
         while len(chosen) < k:
-            p = tuple(torch.randperm(n, generator=generator).tolist())
+            p = tuple(torch.randperm(n, generator=generator, device="cpu").tolist())
             if p not in taken:
                 taken.add(p)
                 chosen.append(p)
@@ -395,7 +395,7 @@ class ManifoldHyperConnection(ManifoldConnectionBase):
     """mhc: h_res = Sinkhorn-Knopp(exp(mat(logits))) with a fixed number of iterations.
 
     `sinkhorn_fn` is the Sinkhorn it calls: `sinkhorn`, or the same function compiled once for
-    every connection (model.compile_model sets it)."""
+    every connection (parallelize.compile_model sets it)."""
 
     name = "mhc"
 

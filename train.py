@@ -25,18 +25,17 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from checkpoint import CheckpointError, CheckpointManager, SaveError, TrainState, check_same_model
-from config import ConfigError, TrainConfig, load_config
-from devices import autocast_context, peak_flops, synchronize
-from model import GPT, GPTConfig, compile_model, connection_path_line, model_shape
-from parallelize import apply_ac, apply_fsdp
+from config import ConfigError, help_text, load_config, model_settings
+from devices import DeviceError, autocast_context, peak_flops, synchronize
+from model import GPT, GPTConfig, connection_path_line, model_shape
+from parallelize import materialise, parallelize
 
 GPT2_PADDED_VOCAB = 50304  # GPT-2's 50257 tokens padded to a multiple of 64
 PREPARE_COMMANDS = {
@@ -460,32 +459,25 @@ class StopFlag:
 
 
 def build_model_config(cfg, vocab_size):
-    shape = model_shape(cfg.size)
-    for key in ("n_layer", "n_head", "n_embd"):
-        if getattr(cfg, key) is not None:
-            shape[key] = getattr(cfg, key)
-    return GPTConfig(block_size=cfg.block_size, vocab_size=vocab_size, dropout=cfg.dropout, bias=cfg.bias,
-                     residual=cfg.residual, n_streams=cfg.n_streams, mhclite_perms=cfg.mhclite_perms,
-                     mhclite_perm_sampling=cfg.mhclite_perm_sampling, perm_seed=cfg.perm_seed,
-                     sinkhorn_iters=cfg.sinkhorn_iters, recompute_connections=cfg.recompute_connections,
-                     stream_dtype=cfg.stream_dtype, fused_connections=cfg.fused_connections,
-                     final_norm=cfg.final_norm, rms_eps=cfg.rms_eps, sinkhorn_order=cfg.sinkhorn_order,
-                     init_stream=cfg.init_stream, init_stream_seed=cfg.seed if cfg.init_stream == "drawn" else 0,
-                     connection_weight_decay=cfg.connection_weight_decay, h_res_dtype=cfg.h_res_dtype,
-                     mixing_dtype=cfg.mixing_dtype, **shape)
+    """The GPTConfig of a run: its model settings, the size's shape where they leave it unset, the
+    data's vocabulary, and the run's seed for drawn init streams."""
+    settings = model_settings(cfg)
+    for key, value in model_shape(cfg.size).items():
+        if settings[key] is None:
+            settings[key] = value
+    return GPTConfig(**settings, vocab_size=vocab_size, init_stream_seed=cfg.seed if cfg.init_stream == "drawn" else 0)
 
 
 def build_model(cfg, vocab_size, ckpt, ckpt_path, world):
-    """The GPT on its device: initialised from the seed (rank 0's weights are the ones DDP
-    broadcasts; FSDP broadcasts nothing, so there every rank builds rank 0's weights and keeps its
-    shard of them), or with the checkpoint's weights (a sharded checkpoint's come in restore_run)."""
+    """The GPT: on its device, initialised from the seed (rank 0's weights are the ones DDP
+    broadcasts) or with the checkpoint's weights; or, to be sharded, on the meta device, holding
+    nothing yet (parallelize.materialise gives each rank its shard of rank 0's weights, or a
+    sharded checkpoint's come in restore_run)."""
     random.seed(cfg.seed + world.rank)
     np.random.seed(cfg.seed + world.rank)
     torch.manual_seed(cfg.seed + world.rank)
     try:
-        with torch.random.fork_rng(devices=[], enabled=world.sharded):
-            if world.sharded:
-                torch.manual_seed(cfg.seed)
+        with torch.device("meta") if world.sharded else contextlib.nullcontext():
             model = GPT(build_model_config(cfg, vocab_size))
     except ValueError as e:
         raise ConfigError(str(e)) from None
@@ -493,7 +485,7 @@ def build_model(cfg, vocab_size, ckpt, ckpt_path, world):
         check_same_model(ckpt, asdict(model.config), ckpt_path)
         if not world.sharded:
             model.load_state_dict(ckpt["model"])
-    return model.to(world.device)
+    return model if world.sharded else model.to(world.device)
 
 
 def start_out_dir(cfg, model, step, tokens_per_step, dtype, world, checkpoints):
@@ -571,19 +563,18 @@ def train(cfg, world):
     if checkpoints.finished:
         return 0
     raw_model = build_model(cfg, vocab_size, ckpt, checkpoints.path, world)
-    if cfg.activation_checkpointing:
-        apply_ac(raw_model)
-    model = compile_model(raw_model, cfg.compile_mode) if compiled else raw_model
-    if world.sharded:  # in place: raw_model's parameters become this rank's shards
-        apply_fsdp(raw_model, torch.bfloat16 if dtype == "bfloat16" else torch.float32)
+    model, train_model = parallelize(raw_model, world.device, cfg.activation_checkpointing,
+                                     cfg.compile_mode if compiled else None, shard=world.sharded,
+                                     replicate=world.ddp and not world.sharded,
+                                     compute_dtype=torch.bfloat16 if dtype == "bfloat16" else torch.float32)
+    if world.sharded:  # this rank's shards of the seed's weights, or storage for the checkpoint's
+        materialise(raw_model, world.device, None if ckpt is not None else cfg.seed)
     optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
                                                world.device.type)
     state = TrainState(raw_model, optimizer, make_generator(cfg.seed, TRAIN_STREAM))
     resume_step = checkpoints.restore(state, ckpt)  # None: a fresh start
     del ckpt
     eval_sets = eval_batches(cfg, paths)
-    device_ids = [world.device.index] if world.device.type == "cuda" else None
-    train_model = DDP(model, device_ids=device_ids) if world.ddp and not world.sharded else model  # eval: no DDP
     peak = peak_flops(cfg, world.device, dtype)
     peak = peak * world.size if peak else None
     if world.master:
@@ -634,9 +625,8 @@ def train(cfg, world):
 
 
 def usage():
-    lines = [__doc__.strip(), "", "Settings (--key=value) and defaults:"]
-    lines += [f"  --{f.name}={f.default}" for f in fields(TrainConfig)]
-    return "\n".join(lines)
+    return "\n".join([__doc__.strip(), "", "Settings (--key=value, or `key = value` in a config file), by group:",
+                      help_text()])
 
 
 def main(argv=None):
@@ -646,7 +636,7 @@ def main(argv=None):
         return
     try:
         code = run(load_config(argv))
-    except (ConfigError, DataError, CheckpointError) as e:
+    except (ConfigError, DeviceError, DataError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except NonFiniteError as e:

@@ -16,6 +16,9 @@ caches (measured, docs/benchmarks.md; the CPU tests of the tests part were not t
                 first step's time is the cold compile); the trained H_res's row and column sums
   kernels  1    each fused kernel alone (python -m benchmarks.kernels): GB/s from the counted bytes per
                 token against a device-to-device copy, and the backward by its number of grad-W partials
+  sharded  ?    train.py's sharded mode on this one GPU: mhclite at M under torchrun with --parallel=fsdp
+                (NCCL, fused AdamW on the sharded parameters, compiled block by block), then the same with
+                activation checkpointing; the steps' tokens/s and the last loss of each (not timed yet)
 A failing part does not stop the next. Each part logs to OUT/<part>.log and leaves its JSON in OUT
 (default out/gpu_check); OUT/parts.json remembers every part run into OUT, so the summary printed last
 covers the parts of earlier commands too. Exit code 1 if a part failed, 2 for bad flags.
@@ -41,8 +44,10 @@ from residuals import capture_connections
 
 from .common import fmt
 
-PARTS = ("tests", "bench", "train", "kernels")
-H100_MINUTES = {"tests": "3+", "bench": "8", "train": "4", "kernels": "1"}  # measured at M, cold caches
+PARTS = ("tests", "bench", "train", "kernels", "sharded")
+H100_MINUTES = {"tests": "3+", "bench": "8", "train": "4", "kernels": "1", "sharded": "?"}  # measured at M, cold caches
+# The sharded part's runs: (name, flags), both --parallel=fsdp on one process.
+SHARDED_RUNS = (("fsdp", []), ("fsdp + activation checkpointing", ["--activation_checkpointing=True"]))
 VARIANTS = ("res", "hc", "mhc", "mhclite")
 # The step benchmark's runs of the bench part: (name, flags); res stays nanoGPT's in every one.
 BENCH_RUNS = (("reference", []),
@@ -91,17 +96,31 @@ def part_commands(part, args):
                  fused_env if "--fused_connections" in flags else {})
                 for name, flags in BENCH_RUNS]
     if part == "train":
-        size_flags = (["--batch_size=16", "--max_iters=20", "--warmup_iters=5", "--eval_interval=20",
-                       "--log_interval=5"] if at_m else
-                      ["--n_layer=1", "--batch_size=2", "--block_size=32", "--max_iters=4", "--warmup_iters=1",
-                       "--eval_interval=4", "--log_interval=2"])
-        return [(f"train.py, {residual}", python(
-            "train.py", f"configs/{args.size}.py", f"configs/{residual}.py", "--dataset=random",
-            f"--data_dir={os.path.join(args.out, 'data')}", f"--out_dir={os.path.join(args.out, f'train-{residual}')}",
-            f"--device={args.device}", "--gradient_accumulation_steps=1", "--eval_iters=2", "--compile_mode=blocks",
-            *size_flags), {}) for residual in VARIANTS]
+        return [(f"train.py, {residual}", python("train.py", *train_flags(args, residual, f"train-{residual}")), {})
+                for residual in VARIANTS]
+    if part == "sharded":
+        torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train.py"]
+        return [(f"train.py under torchrun, {name}", python(
+            *torchrun, *train_flags(args, "mhclite", sharded_dir(name)), "--parallel=fsdp", *flags), {})
+            for name, flags in SHARDED_RUNS]
     return [("benchmarks.kernels", python("-m", "benchmarks.kernels", "--size", args.size, "--device", args.device,
                                           *shape, "--json", os.path.join(args.out, "kernels.json")), fused_env)]
+
+
+def train_flags(args, residual, run_name):
+    """train.py's arguments for a few steps of `residual` on the random data, into OUT/run_name."""
+    size_flags = (["--batch_size=16", "--max_iters=20", "--warmup_iters=5", "--eval_interval=20",
+                   "--log_interval=5"] if args.size == "M" else
+                  ["--n_layer=1", "--batch_size=2", "--block_size=32", "--max_iters=4", "--warmup_iters=1",
+                   "--eval_interval=4", "--log_interval=2"])
+    return [f"configs/{args.size}.py", f"configs/{residual}.py", "--dataset=random",
+            f"--data_dir={os.path.join(args.out, 'data')}", f"--out_dir={os.path.join(args.out, run_name)}",
+            f"--device={args.device}", "--gradient_accumulation_steps=1", "--eval_iters=2", "--compile_mode=blocks",
+            *size_flags]
+
+
+def sharded_dir(name):
+    return "sharded-" + name.replace(" + ", "-").replace(" ", "_")
 
 
 def bench_json(out, name):
@@ -111,9 +130,11 @@ def bench_json(out, name):
 def run_part(part, args):
     """Runs a part's commands (all of them, even after one fails), logging to OUT/<part>.log; returns
     (status, seconds)."""
-    if part == "train":
-        for residual in VARIANTS:  # every run starts afresh
-            shutil.rmtree(os.path.join(args.out, f"train-{residual}"), ignore_errors=True)
+    if part in ("train", "sharded"):
+        runs = ([f"train-{residual}" for residual in VARIANTS] if part == "train" else
+                [sharded_dir(name) for name, _ in SHARDED_RUNS])
+        for run in runs:  # every run starts afresh
+            shutil.rmtree(os.path.join(args.out, run), ignore_errors=True)
         write_random_data(os.path.join(args.out, "data"))
     start, failed = time.time(), []
     env = dict(os.environ, WANDB_MODE="disabled", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
@@ -216,6 +237,18 @@ def train_result(out, device):
     return "; ".join(cells) or "-"
 
 
+def sharded_result(out):
+    """Each sharded run's tokens/s and last logged train loss."""
+    cells = []
+    for name, _ in SHARDED_RUNS:
+        run_dir = os.path.join(out, sharded_dir(name))
+        if os.path.isfile(os.path.join(run_dir, "done")):
+            with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
+                losses = [r["train_loss"] for r in map(json.loads, f) if "train_loss" in r]
+            cells.append(f"{name} {fmt(training_throughput(run_dir), ',.0f')} tok/s, last loss {losses[-1]:.4f}")
+    return "; ".join(cells) or "-"
+
+
 def kernels_result(out):
     """Per variant and stream dtype: the four kernels' counted bytes over their summed time, against a copy."""
     result = read_json(os.path.join(out, "kernels.json"))
@@ -235,7 +268,8 @@ def kernels_result(out):
 def summary(args, parts):
     device = torch.device(args.device)
     results = {"tests": lambda: tests_result(args.out), "bench": lambda: bench_result(args.out),
-               "train": lambda: train_result(args.out, device), "kernels": lambda: kernels_result(args.out)}
+               "train": lambda: train_result(args.out, device), "kernels": lambda: kernels_result(args.out),
+               "sharded": lambda: sharded_result(args.out)}
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU dry run"
     lines = [f"## GPU check: {name}, torch {torch.__version__} (--device {args.device} --size {args.size}, "
              f"results and logs in {args.out})", "",

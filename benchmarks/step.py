@@ -24,7 +24,8 @@ import torch
 from tqdm import tqdm
 
 from devices import autocast_context, peak_flops, synchronize
-from model import COMPILE_MODES, DEFAULT_COMPILE_MODE, GPTConfig, compile_model
+from model import GPTConfig
+from parallelize import COMPILE_MODES, DEFAULT_COMPILE_MODE, compile_model
 from parallelize import apply_ac
 
 from .common import (BLOCKS_SUFFIX, NUM_BATCHES, SHARED_FLAGS, BenchError, add_shared_flag, build_models,

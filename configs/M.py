@@ -1,4 +1,2 @@
-"""M: 12 layers, 12 heads, width 768, ~124M parameters (paper Appendix A)."""
+"""M: 12 layers, 12 heads, width 768, ~124M parameters (paper Appendix A); lr 6e-4, min lr 6e-5 (config.py)."""
 size = "M"
-learning_rate = 6e-4
-min_lr = 6e-5

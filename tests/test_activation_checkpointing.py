@@ -8,7 +8,8 @@ import torch
 
 import train
 from conftest import randomise
-from model import GPT, GPTConfig, compile_model
+from model import GPT, GPTConfig
+from parallelize import compile_model
 from parallelize import apply_ac
 from residuals import RESIDUALS
 from benchmarks import memory as memory_table

@@ -1,4 +1,5 @@
 """config.py: defaults from the paper, file composition, overrides, type coercion, clear errors."""
+import dataclasses
 import glob
 import os
 import subprocess
@@ -6,7 +7,8 @@ import sys
 
 import pytest
 
-from config import REPO_DIR, ConfigError, TrainConfig, load_config
+from config import GROUPS, REPO_DIR, SIZE_LEARNING_RATES, ConfigError, TrainConfig, load_config, read_config_file
+from model import GPTConfig, ModelSettings
 import train
 from conftest import one_error_line
 
@@ -237,3 +239,50 @@ def test_train_cli_rejects_a_negative_learning_rate_with_one_line():
 ])
 def test_bad_authors_settings_give_one_clear_line(arg, words):
     assert_one_line_config_error(arg, words)
+
+
+def test_help_lists_every_setting_once_under_its_group_with_description_and_default(capsys):
+    train.main(["--help"])
+    printed = capsys.readouterr().out
+    headings = [line for line in printed.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    assert headings[-5:] == [f"{group}:" for group in GROUPS]
+    sections = dict(zip(GROUPS, printed.split("\n\n")[-5:]))
+    for f in dataclasses.fields(TrainConfig):
+        section = sections[f.metadata["group"]]
+        assert printed.count(f"  --{f.name}=") == 1 and f"  --{f.name}={f.default}" in section, f.name
+        description = section.split(f"  --{f.name}={f.default}", 1)[1].split("\n  --", 1)[0].strip()
+        assert description.startswith(f.metadata["help"]) and len(f.metadata["help"]) > 10, f.name
+        for choice in f.metadata["choices"] or ():
+            assert choice in description, (f.name, choice)
+
+
+def test_every_model_setting_reaches_the_model_config_unchanged():
+    """The run's model settings are model.ModelSettings itself (not a copy), and all of them reach
+    the GPTConfig that train.py builds: a non-default value of each survives the trip."""
+    assert issubclass(TrainConfig, ModelSettings)
+    changed = dict(residual="mhclite", n_streams=3, mhclite_perms=4, mhclite_perm_sampling="cover", perm_seed=5,
+                   sinkhorn_iters=7, block_size=64, n_layer=3, n_head=2, n_embd=48, dropout=0.25, bias=True,
+                   stream_dtype="bfloat16", recompute_connections=True, fused_connections=False, final_norm="per_stream",
+                   rms_eps=0.0, sinkhorn_order="rows_then_cols", init_stream="drawn",
+                   connection_weight_decay="authors", h_res_dtype="autocast", mixing_dtype="autocast")
+    assert changed.keys() == {f.name for f in dataclasses.fields(ModelSettings)}
+    config = train.build_model_config(load_config([f"--{k}={v}" for k, v in changed.items()] + ["--seed=9"]), 77)
+    assert {key: getattr(config, key) for key in changed} == changed
+    assert (config.vocab_size, config.init_stream_seed) == (77, 9)
+    assert (train.build_model_config(load_config(["--size=L"]), 77).n_layer, GPTConfig().n_layer) == (24, 12)
+
+
+@pytest.mark.parametrize("key, value", [("n_streams", 0), ("rms_eps", -1e-6), ("mixing_dtype", "bf16"),
+                                        ("residual", "foo"), ("dropout", 1.0), ("mhclite_perm_sampling", "all")])
+def test_a_model_setting_is_checked_once_the_same_from_the_command_line_and_in_code(key, value):
+    with pytest.raises(ValueError) as in_code:
+        GPTConfig(**{"residual": "mhc", key: value})
+    with pytest.raises(ConfigError) as from_command_line:
+        load_config(["--residual=mhc", f"--{key}={value}"])
+    assert str(from_command_line.value) == str(in_code.value) and "\n" not in str(in_code.value)
+
+
+def test_the_size_files_set_only_the_size():
+    """Learning rates live in config.SIZE_LEARNING_RATES only; the size files name the size."""
+    for size in SIZE_LEARNING_RATES:
+        assert [key for key, _ in read_config_file(os.path.join(REPO_DIR, "configs", f"{size}.py"))] == ["size"]

@@ -14,7 +14,8 @@ import torch
 import fused
 from benchmarks import step as bench
 from conftest import randomise
-from model import DEFAULT_COMPILE_MODE, GPT, MODEL_SIZES, GPTConfig, compile_model
+from model import GPT, MODEL_SIZES, GPTConfig
+from parallelize import DEFAULT_COMPILE_MODE, compile_model
 from residuals import RESIDUALS, capture_connections
 
 pytestmark = [pytest.mark.cuda,

@@ -30,10 +30,10 @@ def test_cpu_dry_run_runs_every_part_and_the_summary_comes_last(tmp_path, capsys
     code, printed = run_check(["bench", "tests"], out, capsys)
     assert code == 0, printed
     statuses = {part: row[1] for part, row in summary_rows((out / "summary.md").read_text()).items()}
-    assert statuses == {"tests": "ok", "bench": "ok", "train": "not run", "kernels": "not run"}
+    assert statuses == {"tests": "ok", "bench": "ok", "train": "not run", "kernels": "not run", "sharded": "not run"}
     assert printed.index("gpu_check: tests") < printed.index("gpu_check: bench")  # the parts' order
 
-    code, printed = run_check(["train", "kernels"], out, capsys)
+    code, printed = run_check(["train", "kernels", "sharded"], out, capsys)
     summary = (out / "summary.md").read_text()
     assert printed.rstrip().endswith(summary.rstrip())  # printed last
     assert code == 0, printed
@@ -56,6 +56,15 @@ def test_cpu_dry_run_runs_every_part_and_the_summary_comes_last(tmp_path, capsys
     errors = {cell.split()[0]: cell.split()[-1] for cell in rows["train"][4].split("; ") if "sum" in cell}
     assert float(errors["mhclite"]) < 1e-6 < float(errors["hc"])
     assert rows["kernels"][4].startswith("x copy: hc float32 ")
+    # the sharded part: one process under torchrun, sharded, with and without activation checkpointing,
+    # which recomputes the same forward: the same losses
+    for name, _ in gpu_check.SHARDED_RUNS:
+        run = out / gpu_check.sharded_dir(name)
+        assert (run / "done").is_file() and (run / "ckpt.dcp").is_symlink(), name
+        assert f"{name} " in rows["sharded"][4]
+    losses = [[r["train_loss"] for r in map(json.loads, open(out / gpu_check.sharded_dir(name) / "metrics.jsonl"))
+               if "train_loss" in r] for name, _ in gpu_check.SHARDED_RUNS]
+    assert losses[0] == losses[1] and len(losses[0]) == 4  # every step of the dry run
 
 
 def test_help_says_what_each_part_verifies(capsys):

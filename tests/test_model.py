@@ -4,8 +4,9 @@ import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
 
-import model as model_module
-from model import GPT, MODEL_SIZES, GPTConfig, compile_model, cpu_inductor_options, model_shape, shares_compiled_sinkhorn
+import parallelize
+from model import GPT, MODEL_SIZES, GPTConfig, model_shape
+from parallelize import compile_model, cpu_inductor_options, shares_compiled_sinkhorn
 from residuals import capture_connections
 
 VOCAB, BLOCK = 97, 32
@@ -336,7 +337,7 @@ def test_hc_compiles_to_scalar_cpu_code_before_torch_2_13(residual, scalar, monk
     compile_model then asks for scalar code (cpp.simdlen 0), which computes it right."""
     model = GPT(GPTConfig(block_size=8, vocab_size=32, residual=residual, n_layer=1, n_head=2, n_embd=16))
     assert cpu_inductor_options(model, {}) == {}  # this torch
-    monkeypatch.setattr(model_module, "SCALAR_CPU_HC_BACKWARD_BEFORE", (99, 0))  # as on an older torch
+    monkeypatch.setattr(parallelize, "SCALAR_CPU_HC_BACKWARD_BEFORE", (99, 0))  # as on an older torch
     assert cpu_inductor_options(model, {}) == ({"cpp.simdlen": 0} if scalar else {})
     assert cpu_inductor_options(model, {"backend": "aot_eager"}) == {}
     assert cpu_inductor_options(model.to("meta"), {}) == {}  # not on CPU

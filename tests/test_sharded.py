@@ -5,6 +5,7 @@ and the collector, mhclite stays exact under the bf16 policy, and bad input, dam
 checkpoints and failed saves are handled."""
 import contextlib
 import errno
+import json
 import os
 import pickle
 import shutil
@@ -488,3 +489,41 @@ def test_a_sharded_save_that_fails_in_the_background_is_one_line_at_the_next_sav
     assert read_metrics(out)[0][-1]["step"] == 10  # the loop trained on while the save failed
     assert os.readlink(out / "ckpt.dcp") == "ckpt.dcp.0"
     assert sorted(p.name for p in out.glob("ckpt.dcp*")) == ["ckpt.dcp", "ckpt.dcp.0"] and not (out / "done").exists()
+
+
+def construct_on_two_ranks(configs, folder=None):
+    """tests/construction_worker.py under torchrun on 2 processes: [rank 0's line, rank 1's line]."""
+    worker = os.path.join(REPO_DIR, "tests", "construction_worker.py")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           worker, json.dumps(configs), *([str(folder)] if folder else [])], cwd=REPO_DIR,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return sorted((json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")),
+                  key=lambda record: record["rank"])
+
+
+def test_a_model_built_on_the_meta_device_and_sharded_gets_one_process_weights_bit_for_bit(tmp_path):
+    """Every variant, the authors' drawn streams and a sampled permutation set: the shards of the
+    two ranks put together are the weights GPT(config) draws in one process from the same seed."""
+    shape = dict(block_size=16, vocab_size=37, n_layer=2, n_head=2, n_embd=12, bias=True)
+    configs = [dict(shape, residual=r) for r in ("res", "hc", "mhc")] + [
+        dict(shape, residual="mhclite", n_streams=6, mhclite_perms=8, init_stream="drawn", init_stream_seed=3)]
+    construct_on_two_ranks(configs, tmp_path)
+    for i, settings in enumerate(configs):
+        torch.manual_seed(1)
+        expected = GPT(GPTConfig(**settings)).state_dict()
+        sharded = torch.load(tmp_path / f"{i}.pt")
+        assert sharded.keys() == expected.keys()
+        for name, value in expected.items():
+            assert torch.equal(sharded[name].reshape(value.shape), value), (settings["residual"], name)
+
+
+@pytest.mark.slow
+def test_a_rank_holds_about_its_shard_while_a_large_model_is_built():
+    """A 7B-shaped model (width 4096, 32 heads) with 2 layers on 2 processes: each rank's peak memory
+    while it builds, shards and initialises the model is its shard plus about the largest parameter
+    (the one being drawn), below the whole model, which the ranks used to build each."""
+    config = dict(block_size=64, vocab_size=256, n_layer=2, n_head=32, n_embd=4096, residual="mhclite")
+    for record in construct_on_two_ranks([config]):
+        assert record["shard"] == pytest.approx(record["whole"] / 2, rel=1e-3)
+        assert record["peak"] < record["shard"] + 2 * record["largest"] < record["whole"], record
