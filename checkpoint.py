@@ -1,7 +1,8 @@
 """Checkpoints: atomic save, cleanup of temporary files a killed save left, load with one-line
 errors, what a run folder holds (a checkpoint, a finished run), a failed save as one line, model
 loading for analysis and sampling, and CheckpointManager, which runs a training's checkpoints
-(the start decision, restore, when to save, which to keep, the `done` marker).
+(the start decision, restore, when to save, which to keep, the `done` marker), and StopFlag, which
+stops a training at a step boundary for a signal or a stop request so that it saves first.
 
 A checkpoint written by train.py is a dict with keys model (state dict without `_orig_mod.`),
 model_args (GPTConfig as a dict), config (TrainConfig as a dict), optimizer, step,
@@ -31,7 +32,9 @@ import pickle
 import random
 import re
 import shutil
+import signal
 import tempfile
+import threading
 import warnings
 
 import numpy as np
@@ -52,6 +55,8 @@ RUN_IDENTITY_KEYS = ("residual", "size", "n_streams")
 EXECUTION_KEYS = ("fused_connections",)
 # The marker file train.py writes into out_dir when a run reaches max_iters; it holds that step.
 DONE_FILE = "done"
+STOP_REQUEST_FILE = "stop"  # in out_dir: stop at the next step boundary, save, exit 0
+STOP_REQUESTED = -1  # StopFlag.agreed() for the request file; signals are positive
 KEPT_FILE = re.compile(r"ckpt\.(\d+)\.pt")  # an older checkpoint kept beside ckpt.pt (--keep_checkpoints)
 
 
@@ -979,6 +984,59 @@ def write_single_file(sharded, path):
     sharded checkpoint."""
     model, ckpt = load_model(sharded)
     save_checkpoint(path, dict(ckpt, model=model.state_dict()))
+
+
+# ----------------------------------------------------------------------------------------------
+# Stopping at a step boundary, with a checkpoint
+
+
+class StopFlag:
+    """Stops the loop at the next step boundary, where it saves and exits, on SIGTERM or SIGINT
+    (exit code 128 + the signal number; torchrun passes them on to its workers and itself exits
+    with 1) or on a request: the file `stop` in out_dir, which rank 0 looks for at every step
+    (scripts/slurm_train.sbatch writes it before the time limit). A request ends with exit code 0,
+    so that torchrun does not restart the workers, and is removed once served. All ranks agree
+    through a CPU (gloo) all-reduce, which never waits for the GPU."""
+
+    def __init__(self, ddp, device, master, out_dir):
+        self.signum = 0
+        self.request_path = os.path.join(out_dir, STOP_REQUEST_FILE) if master else None
+        self.group = None
+        if ddp:
+            self.group = dist.new_group(backend="gloo") if device.type == "cuda" else dist.group.WORLD
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():  # signal handlers need it
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self.previous[signum] = signal.signal(signum, self._handle)
+
+    def _handle(self, signum, frame):
+        self.signum = signum
+
+    def agreed(self):
+        """0 to go on; else the signal number, or STOP_REQUESTED for the request file."""
+        requested = self.request_path is not None and os.path.exists(self.request_path)
+        flag = torch.tensor([self.signum, int(requested)])
+        if self.group is not None:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        signum, requested = flag.tolist()
+        return signum or (STOP_REQUESTED if requested else 0)
+
+    def finish(self, stopped):
+        """After the stop's save: the exit code; a served request is removed."""
+        if stopped != STOP_REQUESTED:
+            return 128 + stopped
+        if self.request_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.request_path)
+        return 0
+
+    def cause(self, stopped):
+        return (f"the request {STOP_REQUEST_FILE} in the run folder" if stopped == STOP_REQUESTED else
+                f"signal {stopped}")
+
+    def restore(self):
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
 
 
 def main(argv=None):

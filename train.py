@@ -21,19 +21,17 @@ import math
 import os
 import random
 import secrets
-import signal
 import sys
-import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from checkpoint import CheckpointError, CheckpointManager, SaveError, TrainState, check_same_model
+from checkpoint import CheckpointError, CheckpointManager, SaveError, StopFlag, TrainState, check_same_model
 from config import ConfigError, help_text, load_config, model_settings
-from devices import DeviceError, autocast_context, peak_flops, synchronize
+from devices import DeviceError, autocast_context, peak_flops, setup_distributed, synchronize, tf32_matmuls
 from model import GPT, GPTConfig, connection_path_line, model_shape
 from parallelize import materialise, parallelize
 
@@ -46,8 +44,6 @@ PREPARE_COMMANDS = {
 }
 # Generator streams derived from the seed: training batches and the two fixed eval sets.
 TRAIN_STREAM, EVAL_STREAMS = 0, {"train": 1, "val": 2}
-STOP_REQUEST_FILE = "stop"  # in out_dir: stop at the next step boundary, save, exit 0
-STOP_REQUESTED = -1  # StopFlag.agreed() for the request file; signals are positive
 WANDB_ID_FILE = "wandb_run_id"  # in out_dir: the W&B run that restarts continue
 
 
@@ -57,93 +53,6 @@ class DataError(Exception):
 
 class NonFiniteError(Exception):
     """The loss or gradient norm became NaN or infinite."""
-
-
-# ----------------------------------------------------------------------------------------------
-# Distributed setup and devices
-
-
-@dataclass(frozen=True)
-class World:
-    """This process's place in the run: under torchrun (ddp) or not, its rank, the number of
-    processes, its device, and whether the model is sharded (FSDP2) instead of replicated (DDP)."""
-    ddp: bool
-    rank: int
-    size: int
-    device: torch.device
-    sharded: bool = False
-
-    @property
-    def master(self):
-        return self.rank == 0
-
-
-def setup_distributed(cfg):
-    """The World from torchrun's environment variables (one process without them)."""
-    ddp = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    if cfg.parallel == "fsdp" and not ddp:
-        raise ConfigError("--parallel=fsdp runs under torchrun, e.g. torchrun --standalone --nproc_per_node=1 "
-                          "train.py ...")
-    rank = int(os.environ["RANK"]) if ddp else 0
-    world_size = int(os.environ["WORLD_SIZE"]) if ddp else 1
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if cfg.device == "auto":
-        device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
-    elif cfg.device == "cuda":  # set_device needs an index: torchrun's local rank, else the first GPU
-        device = torch.device(f"cuda:{local_rank}")
-    else:
-        device = torch.device(cfg.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device '{cfg.device}' asks for CUDA, which is not available here; use --device=cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if ddp:
-        store = attempt_store(rank, world_size) if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else None
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
-                                world_size=world_size)
-    return World(ddp, rank, world_size, device, sharded=cfg.parallel == "fsdp")
-
-
-def attempt_store(rank, world_size):
-    """torchrun's store, which it keeps across restarts and shares with the workers, seen under a
-    key prefix of this attempt's own, so that restarted workers never read the gloo/NCCL addresses
-    a previous attempt left there (pytorch/pytorch#135712). torchrun's restart counts can differ
-    between nodes, so the ranks agree on the prefix through the store: rank 0 takes a new attempt
-    number and gives it to every ticket the other ranks draw, until all of them have joined."""
-    timeout = dist.default_pg_timeout
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
-                          timeout=timeout)
-    if rank == 0:
-        attempt = store.add("attempts", 1)
-        answered = store.add("answered_tickets", 0)
-        deadline = time.monotonic() + timeout.total_seconds()
-        while store.add(f"attempt{attempt}/joined", 0) < world_size - 1:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"only {store.add(f'attempt{attempt}/joined', 0) + 1} of {world_size} ranks "
-                                   f"joined attempt {attempt} in {timeout}")
-            tickets = store.add("tickets", 0)  # stale tickets of dead processes get an answer nobody reads
-            for ticket in range(answered + 1, tickets + 1):
-                store.set(f"ticket{ticket}", str(attempt))
-            answered = store.add("answered_tickets", tickets - answered)
-            time.sleep(0.01)
-    else:
-        attempt = int(store.get(f"ticket{store.add('tickets', 1)}"))  # waits for rank 0's answer
-        store.add(f"attempt{attempt}/joined", 1)
-    return dist.PrefixStore(f"attempt{attempt}/", store)
-
-
-@contextlib.contextmanager
-def tf32_matmuls():
-    """As nanoGPT: float32 matmuls on CUDA run on TF32 tensor cores, which touches only float32
-    work outside bf16 autocast. mhclite's H_res stays exactly doubly stochastic: residuals.py
-    combines the permutation matrices without a matmul. The previous flags come back on exit, so
-    an in-process caller (a test) keeps its own precision."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 # ----------------------------------------------------------------------------------------------
@@ -405,55 +314,6 @@ def log(message):
         pass
 
 
-class StopFlag:
-    """Stops the loop at the next step boundary, where it saves and exits, on SIGTERM or SIGINT
-    (exit code 128 + the signal number; torchrun passes them on to its workers and itself exits
-    with 1) or on a request: the file `stop` in out_dir, which rank 0 looks for at every step
-    (scripts/slurm_train.sbatch writes it before the time limit). A request ends with exit code 0,
-    so that torchrun does not restart the workers, and is removed once served. All ranks agree
-    through a CPU (gloo) all-reduce, which never waits for the GPU."""
-
-    def __init__(self, ddp, device, master, out_dir):
-        self.signum = 0
-        self.request_path = os.path.join(out_dir, STOP_REQUEST_FILE) if master else None
-        self.group = None
-        if ddp:
-            self.group = dist.new_group(backend="gloo") if device.type == "cuda" else dist.group.WORLD
-        self.previous = {}
-        if threading.current_thread() is threading.main_thread():  # signal handlers need it
-            for signum in (signal.SIGTERM, signal.SIGINT):
-                self.previous[signum] = signal.signal(signum, self._handle)
-
-    def _handle(self, signum, frame):
-        self.signum = signum
-
-    def agreed(self):
-        """0 to go on; else the signal number, or STOP_REQUESTED for the request file."""
-        requested = self.request_path is not None and os.path.exists(self.request_path)
-        flag = torch.tensor([self.signum, int(requested)])
-        if self.group is not None:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        signum, requested = flag.tolist()
-        return signum or (STOP_REQUESTED if requested else 0)
-
-    def finish(self, stopped):
-        """After the stop's save: the exit code; a served request is removed."""
-        if stopped != STOP_REQUESTED:
-            return 128 + stopped
-        if self.request_path is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(self.request_path)
-        return 0
-
-    def cause(self, stopped):
-        return (f"the request {STOP_REQUEST_FILE} in the run folder" if stopped == STOP_REQUESTED else
-                f"signal {stopped}")
-
-    def restore(self):
-        for signum, handler in self.previous.items():
-            signal.signal(signum, handler)
-
-
 # ----------------------------------------------------------------------------------------------
 # Set-up
 
@@ -468,11 +328,21 @@ def build_model_config(cfg, vocab_size):
     return GPTConfig(**settings, vocab_size=vocab_size, init_stream_seed=cfg.seed if cfg.init_stream == "drawn" else 0)
 
 
-def build_model(cfg, vocab_size, ckpt, ckpt_path, world):
-    """The GPT: on its device, initialised from the seed (rank 0's weights are the ones DDP
-    broadcasts) or with the checkpoint's weights; or, to be sharded, on the meta device, holding
-    nothing yet (parallelize.materialise gives each rank its shard of rank 0's weights, or a
-    sharded checkpoint's come in restore_run)."""
+def compile_mode(cfg, world):
+    """The run's torch.compile mode, or None to run eager (compile=auto: compiled on CUDA)."""
+    if not (cfg.compile == "true" or (cfg.compile == "auto" and world.device.type == "cuda")):
+        return None
+    if world.sharded and cfg.compile_mode == "model":
+        raise ConfigError("--parallel=fsdp compiles block by block: add --compile_mode=blocks (or --compile=False)")
+    return cfg.compile_mode
+
+
+def build_model(cfg, vocab_size, ckpt, ckpt_path, world, dtype):
+    """The GPT on its device, parallelized (parallelize.py): (the plain model, the one to evaluate,
+    the one to train). Initialised from the seed (rank 0's weights are the ones DDP broadcasts) or
+    with the checkpoint's weights; a model to be sharded is built on the meta device, holding
+    nothing, then each rank draws its shard of rank 0's weights (parallelize.materialise), or the
+    sharded checkpoint's weights come in when the checkpoint manager restores the run."""
     random.seed(cfg.seed + world.rank)
     np.random.seed(cfg.seed + world.rank)
     torch.manual_seed(cfg.seed + world.rank)
@@ -485,7 +355,14 @@ def build_model(cfg, vocab_size, ckpt, ckpt_path, world):
         check_same_model(ckpt, asdict(model.config), ckpt_path)
         if not world.sharded:
             model.load_state_dict(ckpt["model"])
-    return model if world.sharded else model.to(world.device)
+    if not world.sharded:
+        model.to(world.device)
+    eval_model, train_model = parallelize(model, world.device, cfg.activation_checkpointing, compile_mode(cfg, world),
+                                          shard=world.sharded, replicate=world.ddp and not world.sharded,
+                                          compute_dtype=torch.bfloat16 if dtype == "bfloat16" else torch.float32)
+    if world.sharded:
+        materialise(model, world.device, None if ckpt is not None else cfg.seed)
+    return model, eval_model, train_model
 
 
 def start_out_dir(cfg, model, step, tokens_per_step, dtype, world, checkpoints):
@@ -548,12 +425,7 @@ def run(cfg):
 
 def train(cfg, world):
     """Set up, then train to max_iters; returns the exit code (0, or 128 + signal number)."""
-    if cfg.gradient_accumulation_steps % world.size:
-        raise ConfigError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} is not divisible "
-                          f"by the world size {world.size}")
-    compiled = cfg.compile == "true" or (cfg.compile == "auto" and world.device.type == "cuda")
-    if world.sharded and compiled and cfg.compile_mode == "model":
-        raise ConfigError("--parallel=fsdp compiles block by block: add --compile_mode=blocks (or --compile=False)")
+    compiled = compile_mode(cfg, world) is not None
     tokens_per_step = cfg.batch_size * cfg.block_size * cfg.gradient_accumulation_steps
     paths, vocab_size = check_data(cfg)
     wandb = import_wandb() if cfg.wandb_log and world.master else None  # fail before any work
@@ -562,13 +434,7 @@ def train(cfg, world):
     ckpt = checkpoints.load()  # None: a fresh start
     if checkpoints.finished:
         return 0
-    raw_model = build_model(cfg, vocab_size, ckpt, checkpoints.path, world)
-    model, train_model = parallelize(raw_model, world.device, cfg.activation_checkpointing,
-                                     cfg.compile_mode if compiled else None, shard=world.sharded,
-                                     replicate=world.ddp and not world.sharded,
-                                     compute_dtype=torch.bfloat16 if dtype == "bfloat16" else torch.float32)
-    if world.sharded:  # this rank's shards of the seed's weights, or storage for the checkpoint's
-        materialise(raw_model, world.device, None if ckpt is not None else cfg.seed)
+    raw_model, model, train_model = build_model(cfg, vocab_size, ckpt, checkpoints.path, world, dtype)
     optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
                                                world.device.type)
     state = TrainState(raw_model, optimizer, make_generator(cfg.seed, TRAIN_STREAM))
