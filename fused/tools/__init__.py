@@ -4,5 +4,6 @@
     python -m fused.tools.resources                                          # registers, spills, shared memory
 
 launches.py records the kernels' launches (the resource check compiles them, python -m
-benchmarks.kernels replays them), and interpreter.py runs the kernels on CPU in Triton's interpreter.
+benchmarks.kernels replays them), interpreter.py runs the kernels on CPU in Triton's interpreter, and
+tables.py writes Markdown. Nothing here imports benchmarks/, which times the kernels and imports this.
 """

@@ -1,4 +1,4 @@
-"""python -m fused.tools.pre_backward_parts on CPU, in Triton's interpreter at tiny shapes: each
+"""python -m benchmarks.pre_backward_parts on CPU, in Triton's interpreter at tiny shapes: each
 setting of pre_backward, with and without its grad-W partials, runs on the recorded launch's
 arguments. The times are not checked (never a timed test)."""
 
@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from fused.tools import pre_backward_parts  # noqa: E402
+from benchmarks import pre_backward_parts  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

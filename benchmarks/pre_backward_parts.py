@@ -2,8 +2,8 @@
 counts, each with and without the in-kernel grad-W partials, and grad W computed instead as one GEMM
 over the tokens (grad_z^T x). For deciding how to restructure the kernel, on a GPU.
 
-    python -m fused.tools.pre_backward_parts --json out/pre_backward_parts.json        # on a GPU, at M
-    TRITON_INTERPRET=1 python -m fused.tools.pre_backward_parts --device cpu --batch_size 1 --block_size 32 \
+    python -m benchmarks.pre_backward_parts --json out/pre_backward_parts.json        # on a GPU, at M
+    TRITON_INTERPRET=1 python -m benchmarks.pre_backward_parts --device cpu --batch_size 1 --block_size 32 \
         --width 32 --json out/pbp.json                                                 # CPU dry run
 
 mhclite (mhc and hc: --residual), n = 4, under bf16 autocast. The launch is recorded from one
@@ -22,12 +22,12 @@ import tempfile
 
 import torch
 
-from benchmarks.common import environment, fmt, markdown_table, write_json
-from benchmarks.kernels import time_alone
 from fused import kernels, ops
+from fused.tools.interpreter import fix_scalar_index
+from fused.tools.launches import connection_launches
 
-from .interpreter import fix_scalar_index
-from .launches import connection_launches
+from .common import environment, fmt, markdown_table, write_json
+from .kernels import time_alone
 
 SETTINGS = ((16, 16, 8), (32, 32, 4))  # (BLOCK_T, BLOCK_C, num_warps) besides the shipped one
 PROGRAMS = (128, 264)
@@ -138,7 +138,7 @@ def main(argv=None):
         fix_scalar_index()  # connection_forward is called directly: the kernels run whatever INTERPRET_ON_CPU
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 GEMM as the kernel's fp32 dot: no TF32
     with tempfile.TemporaryDirectory() as folder:
-        result = dict(environment(argv, device, "-m", "fused.tools.pre_backward_parts"), mode="pre_backward_parts",
+        result = dict(environment(argv, device, "-m", "benchmarks.pre_backward_parts"), mode="pre_backward_parts",
                       residual=args.residual, stream_dtype=args.stream_dtype,
                       parts=measure(args, device, kernel_with_switch(folder)))
     parts = result["parts"]
