@@ -51,6 +51,42 @@ def test_kernel_counter_counts_each_address_once_per_launch_and_direction():
     assert torch.equal(dst[:37].float(), torch.full((37,), 2.0))
 
 
+@triton.jit
+def read_apart_kernel(src_ptr, pad_ptr, dst_ptr, BLOCK: tl.constexpr, PAD: tl.constexpr):
+    """Reads src, then PAD elements of pad, then src again (the re-read), and writes dst."""
+    index = tl.arange(0, BLOCK)
+    first = tl.load(src_ptr + index)
+    between = tl.sum(tl.load(pad_ptr + tl.arange(0, PAD)))
+    again = tl.load(src_ptr + index)
+    tl.store(dst_ptr + index, first + again + between)
+
+
+def test_executed_bytes_count_repeats_and_rereads_know_their_distance():
+    counter = count_bytes.KernelBytes()
+    src, dst = torch.ones(37), torch.zeros(37, dtype=torch.bfloat16)
+    with counter.patched():
+        with counter.launch("copy"):
+            copy_twice_kernel[(3,)](src, dst, 37, BLOCK=16)
+    # src read twice, dst written once: executed / unique is (2 * 4 + 2) / (4 + 2)
+    assert counter.executed["copy"] == 2 * 37 * 4 + 37 * 2
+    assert counter.executed["copy"] / counter.bytes["copy"] == pytest.approx(10 / 6)
+    assert counter.loads["copy"] == 2 * 3  # two loads in each of three programs
+    assert sum(counter.rereads["copy"].values()) == 37 * 4  # nothing in between: distance 1, bucket 0
+    assert set(counter.rereads["copy"]) == {0}
+
+    counter = count_bytes.KernelBytes()
+    src, pad, dst = torch.ones(16), torch.ones(256), torch.zeros(16)
+    with counter.patched():
+        with counter.launch("apart"):
+            read_apart_kernel[(4,)](src, pad, dst, BLOCK=16, PAD=256)  # four programs read the same src
+    assert counter.bytes["apart"] == 16 * 4 + 256 * 4 + 16 * 4
+    assert counter.executed["apart"] == 4 * (2 * 16 * 4 + 256 * 4 + 16 * 4)
+    assert counter.loads["apart"] == 4 * 3
+    # Within a program, src comes back after the 1024 bytes of pad: distance 2^10; programs never
+    # count each other's reads (nor pad and dst, touched once per program).
+    assert counter.rereads["apart"] == {10: 4 * 16 * 4}
+
+
 def test_torch_counter_counts_inputs_and_outputs_but_not_views_or_allocations():
     a, b = torch.ones(10), torch.ones(10, dtype=torch.float64)
     with count_bytes.TorchBytes() as counter:
@@ -64,7 +100,8 @@ def test_torch_counter_counts_inputs_and_outputs_but_not_views_or_allocations():
 
 @pytest.fixture(scope="module")
 def counts():
-    return count_bytes.count_all()
+    """Unique bytes of every variant and stream dtype, from the fewest interpreted loop trips."""
+    return count_bytes.count_all(shipped_tiles=False)
 
 
 @pytest.mark.parametrize("stream_dtype", list(count_bytes.STREAM_DTYPES))
@@ -104,6 +141,23 @@ def test_the_kernel_bytes_file_the_gpu_check_carries_is_a_fresh_count(counts):
             assert carried[residual][dtype]["kernels"] == pytest.approx(entry["kernels"]), (residual, dtype)
             for key in ("total", "partials_at_m"):
                 assert carried[residual][dtype][key] == pytest.approx(entry[key]), (residual, dtype, key)
+
+
+@pytest.mark.parametrize("residual, stream_dtype", [("hc", "float32"), ("mhclite", "bfloat16")])
+def test_the_executed_bytes_in_the_kernel_bytes_file_are_a_fresh_count(residual, stream_dtype, counts):
+    """Executed bytes, load instructions and re-reads at the shipped tiles (what fused.tools.latency
+    reads), for hc's and the manifold variants' code, each stream dtype once; the unique bytes of the
+    same count agree with the quick one."""
+    carried = bench_kernels.read_kernel_bytes(bench_kernels.KERNEL_BYTES)[residual][stream_dtype]
+    fresh = count_bytes.bytes_per_token(residual, count_bytes.STREAM_DTYPES[stream_dtype])
+    assert fresh["kernels"] == pytest.approx(counts[residual][stream_dtype]["kernels"])
+    for key in ("executed", "loads", "executed_total"):
+        assert carried[key] == pytest.approx(fresh[key]), key
+    assert carried["rereads"].keys() == fresh["rereads"].keys()
+    for kernel, by_distance in fresh["rereads"].items():
+        assert carried["rereads"][kernel] == pytest.approx(by_distance), kernel
+    for kernel, unique in fresh["kernels"].items():
+        assert fresh["executed"][kernel] >= unique, kernel
 
 
 @pytest.mark.parametrize("residual", count_bytes.VARIANTS)
