@@ -1,7 +1,7 @@
 """Bytes per token per connection of the fused path, counted on CPU in Triton's interpreter.
 
-    python -m fused.tools.count_bytes [--json PATH] [--calibration_json PATH] [--residuals hc,mhc,mhclite]
-                                      [--stream_dtypes float32,bfloat16]
+    python -m fused.tools.count_bytes [--json PATH] [--residuals hc,mhc,mhclite] [--stream_dtypes float32,bfloat16]
+    python -m fused.tools.count_bytes --reference      # the reference path (residuals.py), counted the same way
 
 Runs forward and backward of `connection_forward` at n = 4, C = 768 under bf16 autocast with a
 bf16 branch output (as the model runs), with every kernel in Triton's interpreter at its shipped
@@ -20,12 +20,10 @@ traffic once per launch (the grad-weight partials' sum) does not count per token
 per program (the weight each program reads) does. Prints a markdown table; --json writes
 {residual: {stream_dtype: {"kernels", "executed", "loads": {name: per token}, "rereads": {name:
 {floor(log2(bytes between)): bytes per token}}, "torch", "forward", "backward", "total",
-"executed_total", "partials_at_m"}}}. One backward program: its later token blocks re-read its
-grad-W partial as every program does at M. The grad-W partials (weight-sized, so not in the
-unique slope) are counted apart: one program's partials are the difference between two programs
-and one on the same tokens; times the model's programs over M's 16,384 tokens per micro-step,
-they are bytes per token at M. --calibration_json: the same entries for mhclite at the
-pre_backward tiles fused.tools.latency is calibrated with.
+"executed_total", "partials_at_m"}}}. The grad-W partials (one weight-sized partial per token
+split of the backward's apply kernel, so not in the slopes) are counted apart: one split's
+partial is the difference between two splits and one on the same tokens; times the model's
+splits over M's 16,384 tokens per micro-step, they are bytes per token at M.
 """
 
 import argparse
@@ -54,7 +52,7 @@ TOKEN_COUNTS = (64, 128)
 UNIQUE_TOKEN_COUNTS = (32, 48)  # two and three blocks of COUNTING_BLOCK_T: enough for unique bytes
 COUNTING_BLOCK_T = 16  # unique bytes only (UNIQUE_TOKEN_COUNTS, the partials): few interpreted loop trips
 M_TOKENS = 16 * 1024  # tokens per micro-step at M (16 x 1024), for the grad-W partials per token
-PARTIAL_TOKENS = 64  # four blocks: with one or two programs, each has a later block that adds to its partial
+PARTIAL_TOKENS = 64  # four blocks of COUNTING_BLOCK_T: two splits of two blocks each
 ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
 FILLS = {"new_zeros", "new_ones", "new_full", "zeros", "ones", "full", "zeros_like", "ones_like", "full_like"}
 
@@ -276,20 +274,18 @@ def reference_bytes_per_token(residual, stream_dtype, token_counts=TOKEN_COUNTS)
 
 
 @contextlib.contextmanager
-def counting_setup(programs=1, shipped_tiles=True, pre_backward_tile=None):
-    """The interpreter for CPU tensors and `programs` backward programs (one: the partials of grad W
+def counting_setup(splits=1, shipped_tiles=True):
+    """The interpreter for CPU tensors and `splits` grad-W token splits (one: the partials of grad W
     have the same size at both token counts, and how many there are does not change bytes per
-    token; each program's later blocks re-read its partial as at M). shipped_tiles False: one
+    token). shipped_tiles False: one
     channel block over all of C and COUNTING_BLOCK_T tokens per program in every kernel, for the
     fewest interpreted loop trips when only unique bytes matter (each address counts once whatever
-    the tiles). pre_backward_tile: (BLOCK_T, BLOCK_C, num_warps) instead of the shipped one."""
+    the tiles)."""
     fix_scalar_index()
     tiles = dict(ops.TILES) if shipped_tiles else {
         kernel: dict(tile, BLOCK_T=COUNTING_BLOCK_T, BLOCK_C=1 << (WIDTH - 1).bit_length())
         for kernel, tile in ops.TILES.items()}
-    if pre_backward_tile:
-        tiles["pre_backward_kernel"] = dict(zip(("BLOCK_T", "BLOCK_C", "num_warps"), pre_backward_tile))
-    settings = [(fused, "INTERPRET_ON_CPU", True), (ops, "WEIGHT_GRAD_PROGRAMS", programs), (ops, "TILES", tiles)]
+    settings = [(fused, "INTERPRET_ON_CPU", True), (ops, "WEIGHT_GRAD_SPLITS", splits), (ops, "TILES", tiles)]
     saved = [getattr(module, name) for module, name, _ in settings]
     for module, name, value in settings:
         setattr(module, name, value)
@@ -305,28 +301,28 @@ def phase_bytes(counted):
 
 
 def partial_bytes(residual, stream_dtype):
-    """Bytes one backward program's partials (grad W, grad scale, grad bias) move: the backward of
-    PARTIAL_TOKENS tokens with two programs minus with one."""
+    """Bytes one grad-W token split's partial moves: the backward of PARTIAL_TOKENS tokens with two
+    splits minus with one."""
     counts = {}
-    for programs in (1, 2):
-        with counting_setup(programs, shipped_tiles=False):
-            counts[programs] = phase_bytes(count_connection(residual, stream_dtype, PARTIAL_TOKENS)["backward"])
+    for splits in (1, 2):
+        with counting_setup(splits, shipped_tiles=False):
+            counts[splits] = phase_bytes(count_connection(residual, stream_dtype, PARTIAL_TOKENS)["backward"])
     return counts[2] - counts[1]
 
 
 def partials_per_token_at_m(residual, stream_dtype):
-    """Bytes per token of the partials at M's tokens per micro-step, with the model's programs."""
-    programs = min(ops.WEIGHT_GRAD_PROGRAMS, M_TOKENS // ops.TILES["pre_backward_kernel"]["BLOCK_T"])
-    return programs * partial_bytes(residual, stream_dtype) / M_TOKENS
+    """Bytes per token of the grad-W partials at M's tokens per micro-step, with the model's splits."""
+    splits = min(ops.WEIGHT_GRAD_SPLITS, M_TOKENS // ops.TILES["pre_backward_apply_kernel"]["BLOCK_T"])
+    return splits * partial_bytes(residual, stream_dtype) / M_TOKENS
 
 
-def bytes_per_token(residual, stream_dtype, pre_backward_tile=None, shipped_tiles=True):
+def bytes_per_token(residual, stream_dtype, shipped_tiles=True):
     """The JSON entry of one variant and stream dtype: per-token slopes between TOKEN_COUNTS at the
     shipped tiles: unique bytes per kernel ("kernels"), executed bytes, load instructions, and
     re-read bytes by reuse distance ("rereads": {kernel: {floor(log2(bytes between)): bytes}).
     shipped_tiles False: the unique bytes only, from the fewest interpreted loop trips."""
     token_counts = TOKEN_COUNTS if shipped_tiles else UNIQUE_TOKEN_COUNTS
-    with counting_setup(shipped_tiles=shipped_tiles, pre_backward_tile=pre_backward_tile):
+    with counting_setup(shipped_tiles=shipped_tiles):
         small, large = (count_connection(residual, stream_dtype, t) for t in token_counts)
     tokens = token_counts[1] - token_counts[0]
     slope = lambda big, little: (big - little) / tokens  # noqa: E731
@@ -363,13 +359,19 @@ def count_all(residuals=VARIANTS, stream_dtypes=tuple(STREAM_DTYPES), shipped_ti
     return counts
 
 
-def calibration_counts():
-    """{"BLOCK_T,BLOCK_C,num_warps": {stream dtype: entry}}: mhclite with pre_backward at each tile of
-    the GPU times the latency model is calibrated against (fused.tools.latency.CALIBRATION)."""
-    from .latency import CALIBRATION
-    tiles = sorted({row["tile"] for row in CALIBRATION if "tile" in row})
-    return {",".join(map(str, tile)): {name: bytes_per_token("mhclite", STREAM_DTYPES[name], tile)
-                                       for name in STREAM_DTYPES} for tile in tiles}
+def reference_markdown(residuals, stream_dtypes):
+    """The reference path's bytes per token (reference_bytes_per_token) against the floor, with the
+    aten ops that move the most."""
+    kb = lambda b: f"{b / 1000:.1f}"  # noqa: E731
+    lines = ["| residual | streams | forward KB | backward KB | total KB | x floor | largest aten ops KB |",
+             "|---|---|---|---|---|---|---|"]
+    for residual in residuals:
+        for name in stream_dtypes:
+            e = reference_bytes_per_token(residual, STREAM_DTYPES[name])
+            top = ", ".join(f"{op} {kb(b)}" for op, b in list(e["ops"].items())[:4])
+            lines.append(f"| {residual} | {name} | {kb(e['forward'])} | {kb(e['backward'])} | {kb(e['total'])} | "
+                         f"{e['total'] / budget(STREAM_DTYPES[name]):.2f} | {top} |")
+    return "\n".join(lines)
 
 
 def markdown(counts):
@@ -403,9 +405,9 @@ def comma_list(valid):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", help="also write the counts to this JSON file")
-    parser.add_argument("--calibration_json", help="also count mhclite at the latency model's calibration tiles "
-                        "(fused.tools.latency) into this JSON file")
     parser.add_argument("--residuals", type=comma_list(VARIANTS), default=VARIANTS)
+    parser.add_argument("--reference", action="store_true",
+                        help="count the reference path (residuals.py's aten ops, eager) instead of the kernels")
     parser.add_argument("--stream_dtypes", type=comma_list(tuple(STREAM_DTYPES)), default=tuple(STREAM_DTYPES))
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -414,6 +416,11 @@ def main(argv=None):
     problem = version_problem(triton.__version__)
     if problem:
         parser.error(problem)
+    if args.reference:
+        print(f"Bytes per token per connection of the reference path, eager aten ops (inputs + outputs), n = "
+              f"{N_STREAMS}, C = {WIDTH}, bf16 autocast (1 KB = 1000 bytes; floor 7 nCs + 16 C):\n")
+        print(reference_markdown(args.residuals, args.stream_dtypes))
+        return
     counts = count_all(args.residuals, args.stream_dtypes)
     print(f"Bytes per token per connection, n = {N_STREAMS}, C = {WIDTH}, bf16 autocast, bf16 branch output "
           f"(1 KB = 1000 bytes; floor 7 nCs + 16 C); unique (each address once per launch) and executed "
@@ -422,9 +429,6 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(counts, f, indent=1)
-    if args.calibration_json:
-        with open(args.calibration_json, "w") as f:
-            json.dump(calibration_counts(), f, indent=1)
 
 
 if __name__ == "__main__":

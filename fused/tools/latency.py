@@ -21,8 +21,9 @@ it derives
     bytes, plus the serial round trips of the programs that too few bytes in flight per SM leave
     unhidden (Little's law); "bound" names the larger of the two.
 COPY_BANDWIDTH is the copy measured on the H200; STEP_LATENCY the one free parameter, fitted
-(least squares on log time) to the GPU times of docs/benchmarks.md (CALIBRATION), against which the
-tool prints every prediction, with the rank-order agreement. Exit code 2 without triton, ptxas or
+(least squares on log time) to the GPU times of docs/benchmarks.md, each kept with the CPU profile
+of the kernel that ran (calibration.json: the kernels before pre_backward was split in two),
+against which the tool prints every prediction, with the rank-order agreement. Exit code 2 without triton, ptxas or
 cuobjdump, or with TRITON_INTERPRET=1 (compiling needs triton's compiler).
 """
 
@@ -40,33 +41,15 @@ from .tables import fmt, markdown_table
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 KERNEL_BYTES = os.path.join(HERE, "kernel_bytes.json")
-CALIBRATION_BYTES = os.path.join(HERE, "calibration_bytes.json")  # mhclite's pre_backward at other tiles
+PREDICTED_TIMES = os.path.join(HERE, "predicted_times.json")  # what python -m benchmarks.kernels prints beside its times
+# The GPU times the model is fitted to, each with the CPU profile of the kernel that ran (calibration.json's note).
+CALIBRATION = os.path.join(HERE, "calibration.json")
 M_BATCH, M_TIME = 16, 1024
 WIDTH = 768
 SMS = 132  # H100 SXM and H200
 L2_BYTES = 50 * 1000 ** 2
 COPY_BANDWIDTH = 4.1e12  # bytes/s, a device-to-device copy of the streams on the H200 (read + written)
 CC = 90
-# GPU times of docs/benchmarks.md (H200, 2026-11-26, mhclite at M, us per launch): the four kernels
-# at their shipped tiles, and pre_backward's tile table (tile, programs).
-CALIBRATION = [  # tile: (BLOCK_T, BLOCK_C, num_warps)
-    dict(kernel="pre_kernel", stream_dtype="float32", us=238.0),
-    dict(kernel="post_kernel", stream_dtype="float32", us=125.8),
-    dict(kernel="post_backward_kernel", stream_dtype="float32", us=65.7),
-    dict(kernel="pre_backward_kernel", stream_dtype="float32", us=2747.9),
-    dict(kernel="pre_kernel", stream_dtype="bfloat16", us=221.0),
-    dict(kernel="post_kernel", stream_dtype="bfloat16", us=90.2),
-    dict(kernel="post_backward_kernel", stream_dtype="bfloat16", us=42.0),
-    dict(kernel="pre_backward_kernel", stream_dtype="bfloat16", us=2561.3),
-    dict(kernel="pre_backward_kernel", stream_dtype="float32", tile=(16, 16, 8), programs=264, us=2670.0),
-    dict(kernel="pre_backward_kernel", stream_dtype="bfloat16", tile=(16, 16, 8), programs=264, us=2460.0),
-    dict(kernel="pre_backward_kernel", stream_dtype="float32", tile=(32, 32, 4), programs=128, us=1240.0),
-    dict(kernel="pre_backward_kernel", stream_dtype="bfloat16", tile=(32, 32, 4), programs=128, us=1350.0),
-    dict(kernel="pre_backward_kernel", stream_dtype="float32", tile=(32, 32, 4), programs=264, us=790.0),
-    dict(kernel="pre_backward_kernel", stream_dtype="bfloat16", tile=(32, 32, 4), programs=264, us=790.0),
-]
-
-
 def dram_bytes_per_token(counts, kernel, resident):
     """Unique bytes plus the re-reads the L2 model says miss, per token."""
     misses = sum(b for distance, b in counts["rereads"].get(kernel, {}).items()
@@ -128,11 +111,9 @@ def m_launches(residual, stream_dtype):
     return connection_launches(residual, stream_dtype, True, WIDTH, M_BATCH, M_TIME, "cpu", run=False)
 
 
-def compiled(launch, compilations, **tile):
-    """sm_90 resources of a recorded launch, with its tile constexprs replaced by `tile` (BLOCK_T,
-    BLOCK_C, num_warps), each distinct compilation once."""
-    constexprs = dict(launch.constexprs, **tile)
-    specialisation = jit_specialisation(ops.kernel(launch.kernel), launch.args, constexprs)
+def compiled(launch, compilations):
+    """sm_90 resources of a recorded launch, each distinct compilation once."""
+    specialisation = jit_specialisation(ops.kernel(launch.kernel), launch.args, launch.constexprs)
     key = json.dumps([launch.kernel, [sorted(map(list, d.items())) for d in specialisation]], default=str)
     if key not in compilations:
         compilations[key] = compile_kernel(launch.kernel, specialisation, CC)
@@ -141,39 +122,24 @@ def compiled(launch, compilations, **tile):
     return compilations[key]
 
 
-def model(residuals=RESIDUALS, stream_dtypes=STREAM_DTYPES, kernel_bytes=KERNEL_BYTES,
-          calibration_bytes=CALIBRATION_BYTES):
-    """{"profiles": [profile per residual, stream dtype and kernel], "calibration": [CALIBRATION rows
-    with their profiles], "step_latency": fitted seconds} (times not yet predicted)."""
+def model(residuals=RESIDUALS, stream_dtypes=STREAM_DTYPES, kernel_bytes=KERNEL_BYTES, calibration=CALIBRATION):
+    """{"profiles": [profile per residual, stream dtype and kernel launch], "calibration": [measured
+    times with their profiles], "step_latency": fitted seconds} (times not yet predicted)."""
     with open(kernel_bytes, encoding="utf-8") as f:
         counts = json.load(f)
-    with open(calibration_bytes, encoding="utf-8") as f:
-        tile_counts = json.load(f)
+    with open(calibration, encoding="utf-8") as f:
+        calibration_data = json.load(f)
+    rows = calibration_data["rows"]
     tokens = M_BATCH * M_TIME
-    compilations, profiles, launches = {}, [], {}
+    compilations, profiles = {}, []
     for residual in residuals:
         for stream_dtype in stream_dtypes:
-            launches[residual, stream_dtype] = m_launches(residual, stream_dtype)
-            for launch in launches[residual, stream_dtype]:
+            for launch in m_launches(residual, stream_dtype):
                 p = profile(counts[residual][stream_dtype], launch.kernel, launch.grid,
                             compiled(launch, compilations), tokens)
-                profiles.append(dict(p, residual=residual, stream_dtype=stream_dtype))
-    calibration = []
-    for row in CALIBRATION:
-        key = ("mhclite", row["stream_dtype"])
-        if key not in launches:
-            launches[key] = m_launches(*key)
-        launch = next(la for la in launches[key] if la.kernel == row["kernel"])
-        entry, grid = counts["mhclite"][row["stream_dtype"]], launch.grid
-        resources = compiled(launch, compilations)
-        if "tile" in row:
-            block_t, block_c, warps = row["tile"]
-            entry = tile_counts[f"{block_t},{block_c},{warps}"][row["stream_dtype"]]
-            resources = compiled(launch, compilations, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=warps)
-            grid = (min(row["programs"], -(-tokens // block_t)),)
-        calibration.append(dict(row, profile=profile(entry, row["kernel"], grid, resources, tokens)))
-    step_latency = fit_step_latency([(r["profile"], 1e-6 * r["us"]) for r in calibration])
-    return dict(profiles=profiles, calibration=calibration, step_latency=step_latency,
+                profiles.append(dict(p, residual=residual, stream_dtype=stream_dtype, phase=launch.phase))
+    step_latency = fit_step_latency([(r["profile"], 1e-6 * r["us"]) for r in rows])
+    return dict(profiles=profiles, calibration=rows, steps=calibration_data["steps"], step_latency=step_latency,
                 compilations=len(compilations))
 
 
@@ -184,10 +150,42 @@ def with_predictions(result):
     measured = [r["us"] for r in result["calibration"]]
     predicted = [r["profile"]["predicted_us"] for r in result["calibration"]]
     ratios = [p / m for p, m in zip(predicted, measured)]
+    result["step_predictions"] = step_predictions(result)
     result["agreement"] = dict(spearman=spearman(predicted, measured), ratio_min=min(ratios),
                                ratio_max=max(ratios),
                                ratio_geomean=math.exp(sum(map(math.log, ratios)) / len(ratios)))
     return result
+
+
+def predicted_times(result):
+    """{residual: {stream dtype: {kernel: predicted us at M}}, "step_latency_ns": ...}."""
+    times = {}
+    for p in result["profiles"]:
+        times.setdefault(p["residual"], {}).setdefault(p["stream_dtype"], {})[p["kernel"]] = round(p["predicted_us"], 1)
+    return dict(times, step_latency_ns=round(1e9 * result["step_latency"], 1))
+
+
+def step_predictions(result):
+    """mhclite's fused training step at M per stream dtype: the measured fused step with the measured
+    connection kernels of the calibration (the kernels then) replaced by the predicted ones of now."""
+    steps, predictions = result["steps"], []
+    for stream_dtype, fused_ms in steps["fused_ms"].items():
+        then = sum(r["us"] for r in result["calibration"] if r["stream_dtype"] == stream_dtype and "tile" not in r)
+        now = sum(p["predicted_us"] for p in result["profiles"]
+                  if p["residual"] == "mhclite" and p["stream_dtype"] == stream_dtype)
+        step_ms = fused_ms + steps["connections_per_step"] * (now - then) / 1000
+        predictions.append(dict(stream_dtype=stream_dtype, connection_us_then=then, connection_us_predicted=now,
+                                step_ms_then=fused_ms, step_ms_predicted=step_ms,
+                                x_res=step_ms / steps["res_ms"], x_reference=step_ms / steps["reference_ms"]))
+    return predictions
+
+
+def steps_table(predictions):
+    rows = [[p["stream_dtype"], fmt(p["connection_us_then"], ",.0f"), fmt(p["connection_us_predicted"], ",.0f"),
+             fmt(p["step_ms_then"], ".1f"), fmt(p["step_ms_predicted"], ".1f"), fmt(p["x_res"], ".2f"),
+             fmt(p["x_reference"], ".2f")] for p in predictions]
+    return markdown_table(["streams", "connection kernels us, measured then", "predicted now",
+                           "fused step ms, measured then", "predicted now", "x res", "x reference path"], rows)
 
 
 def profiles_table(profiles):
@@ -207,7 +205,7 @@ def calibration_table(calibration):
     for r in calibration:
         p = r["profile"]
         tile = r.get("tile")
-        setting = f"{', '.join(map(str, tile))}; {p['programs']}" if tile else f"shipped; {p['programs']}"
+        setting = f"{', '.join(map(str, tile))}; {p['programs']}" if tile else f"then shipped; {p['programs']}"
         rows.append([r["kernel"].removesuffix("_kernel"), r["stream_dtype"], setting, fmt(r["us"], ",.1f"),
                      fmt(p["predicted_us"], ",.1f"), fmt(p["predicted_us"] / r["us"], ".2f"), p["bound"]])
     return markdown_table(["kernel", "streams", "tile; programs", "measured us (H200)", "predicted us",
@@ -218,6 +216,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="also write every profile and the calibration here")
     parser.add_argument("--kernel_bytes", default=KERNEL_BYTES)
+    parser.add_argument("--calibration", default=CALIBRATION)
+    parser.add_argument("--predictions", help="also write {residual: {stream dtype: {kernel: predicted us}}} here "
+                        f"(the benchmark reads {os.path.relpath(PREDICTED_TIMES)})")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("error: TRITON_INTERPRET=1 is set; compiling needs triton's compiler: unset it", file=sys.stderr)
@@ -226,7 +227,7 @@ def main(argv=None):
     if reason:
         print(f"error: {reason}", file=sys.stderr)
         sys.exit(2)
-    result = with_predictions(model(kernel_bytes=args.kernel_bytes))
+    result = with_predictions(model(kernel_bytes=args.kernel_bytes, calibration=args.calibration))
     a = result["agreement"]
     print(f"Predicted per launch at M ({M_BATCH * M_TIME:,} tokens, C = {WIDTH}, bf16 autocast) on sm_{CC} "
           f"({SMS} SMs, L2 {L2_BYTES / 1e6:.0f} MB, copy {COPY_BANDWIDTH / 1e12:.1f} TB/s); fitted step latency "
@@ -235,6 +236,12 @@ def main(argv=None):
     print(f"\nCalibration against docs/benchmarks.md (mhclite): rank correlation {a['spearman']:.2f}, predicted / "
           f"measured {a['ratio_min']:.2f} to {a['ratio_max']:.2f} (geometric mean {a['ratio_geomean']:.2f})\n")
     print(calibration_table(result["calibration"]))
+    print("\nmhclite's fused step at M: the measured step with its connection kernels' measured times replaced by "
+          "the predicted ones\n")
+    print(steps_table(result["step_predictions"]))
+    if args.predictions:
+        with open(args.predictions, "w", encoding="utf-8") as f:
+            json.dump(predicted_times(result), f, indent=1)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w", encoding="utf-8") as f:

@@ -98,6 +98,17 @@ def test_torch_counter_counts_inputs_and_outputs_but_not_views_or_allocations():
     assert counter.bytes == 40 + 80 + 80 + 4
 
 
+def test_the_reference_path_is_counted_op_by_op():
+    """residuals.py's connection under bf16 autocast, its aten ops counted the same way: more than
+    the fused path's floor, and x's cast to bf16 for the projection GEMM among its ops."""
+    entry = count_bytes.reference_bytes_per_token("mhclite", torch.float32, token_counts=(16, 32))
+    floor = count_bytes.budget(torch.float32)
+    assert entry["total"] == pytest.approx(entry["forward"] + entry["backward"]) and entry["total"] > floor
+    assert entry["total"] == pytest.approx(sum(entry["ops"].values()))
+    stream = count_bytes.N_STREAMS * count_bytes.WIDTH * 4
+    assert entry["ops"]["_to_copy"] >= stream * 6 // 4  # x (fp32) read and written as bf16, at least once
+
+
 @pytest.fixture(scope="module")
 def counts():
     """Unique bytes of every variant and stream dtype, from the fewest interpreted loop trips."""
@@ -106,15 +117,20 @@ def counts():
 
 @pytest.mark.parametrize("stream_dtype", list(count_bytes.STREAM_DTYPES))
 @pytest.mark.parametrize("residual", count_bytes.VARIANTS)
-def test_bytes_per_token_within_the_floor(counts, residual, stream_dtype):
+def test_bytes_per_token_within_the_two_pass_budget(counts, residual, stream_dtype):
+    """The forward within its share of the floor (3 nCs and the floor's 16 C of vectors); the backward's
+    second pass re-reads x and g (2 nCs more than the floor's 4 nCs): in all at most 1.3 x the floor."""
     entry = counts[residual][stream_dtype]
     floor = count_bytes.budget(count_bytes.STREAM_DTYPES[stream_dtype])
-    assert entry["total"] <= floor, f"{residual} {stream_dtype}: {entry['total']:.0f} > {floor} bytes per token"
-    assert set(entry["kernels"]) == {"pre_kernel", "post_kernel", "post_backward_kernel", "pre_backward_kernel"}
+    stream = count_bytes.N_STREAMS * count_bytes.WIDTH * torch.finfo(count_bytes.STREAM_DTYPES[stream_dtype]).bits // 8
+    assert entry["forward"] <= 3 * stream + 16 * count_bytes.WIDTH, f"{residual} {stream_dtype}: {entry['forward']:.0f}"
+    assert entry["backward"] <= 6 * stream + 16 * count_bytes.WIDTH, f"{residual} {stream_dtype}: {entry['backward']:.0f}"
+    assert entry["total"] <= 1.3 * floor, f"{residual} {stream_dtype}: {entry['total']:.0f} > 1.3 x {floor} bytes per token"
+    assert set(entry["kernels"]) == {"pre_kernel", "post_kernel", "post_backward_kernel", "pre_backward_reduce_kernel",
+                                     "pre_backward_apply_kernel"}
     assert entry["total"] == pytest.approx(entry["forward"] + entry["backward"])
     assert entry["forward"] + entry["backward"] == pytest.approx(sum(entry["kernels"].values()) + entry["torch"])
     # The floor's own terms: x read twice and x_next written once forward, 4 full passes backward.
-    stream = count_bytes.N_STREAMS * count_bytes.WIDTH * torch.finfo(count_bytes.STREAM_DTYPES[stream_dtype]).bits // 8
     assert entry["forward"] >= 3 * stream and entry["backward"] >= 4 * stream
 
 
@@ -161,14 +177,14 @@ def test_the_executed_bytes_in_the_kernel_bytes_file_are_a_fresh_count(residual,
 
 
 @pytest.mark.parametrize("residual", count_bytes.VARIANTS)
-def test_grad_weight_partials_are_written_re_read_and_summed_once(counts, residual):
-    """Each backward program writes its partials of grad W, grad scale and grad bias once (no zero
-    fill), re-reads its grad-W partial once for its later token blocks, and the sum reads them once:
-    at M's tokens per micro-step that is partials_at_m."""
+def test_grad_weight_partials_are_written_and_summed_once(counts, residual):
+    """Each grad-W token split of the backward's apply kernel writes its partial once (no zero fill,
+    never re-read per token block) and the sum reads it once: at M's tokens per micro-step that is
+    partials_at_m."""
     module = RESIDUALS[residual](count_bytes.WIDTH, count_bytes.N_STREAMS, 1)
-    _, weight, scale, bias, _, _ = fused.packed_parameters(module)
-    programs = min(ops.WEIGHT_GRAD_PROGRAMS, count_bytes.M_TOKENS // ops.TILES["pre_backward_kernel"]["BLOCK_T"])
-    one_program = ops.partial_bytes_per_program(weight, scale, bias)
-    assert one_program == 3 * weight.numel() * 4 + 2 * (scale.numel() + bias.numel()) * 4
+    _, weight, _, _, _, _ = fused.packed_parameters(module)
+    splits = min(ops.WEIGHT_GRAD_SPLITS, count_bytes.M_TOKENS // ops.TILES["pre_backward_apply_kernel"]["BLOCK_T"])
+    one_split = ops.partial_bytes_per_split(weight)
+    assert one_split == 2 * weight.numel() * 4
     for stream_dtype in count_bytes.STREAM_DTYPES:
-        assert counts[residual][stream_dtype]["partials_at_m"] == programs * one_program / count_bytes.M_TOKENS
+        assert counts[residual][stream_dtype]["partials_at_m"] == splits * one_split / count_bytes.M_TOKENS

@@ -70,3 +70,29 @@ def test_cli_refuses_the_interpreter():
     proc = subprocess.run([sys.executable, "-m", "fused.tools.latency"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.startswith("error: TRITON_INTERPRET=1")
+
+
+def test_the_step_prediction_swaps_the_measured_kernels_for_the_predicted_ones():
+    result = dict(steps=dict(connections_per_step=24, res_ms=30.0, reference_ms=60.0, fused_ms={"float32": 100.0}),
+                  calibration=[dict(kernel="a", stream_dtype="float32", us=3000.0),
+                               dict(kernel="a", stream_dtype="float32", tile=(32, 32, 4), us=1000.0)],
+                  profiles=[dict(residual="mhclite", stream_dtype="float32", predicted_us=500.0),
+                            dict(residual="mhclite", stream_dtype="float32", predicted_us=250.0),
+                            dict(residual="hc", stream_dtype="float32", predicted_us=9999.0)])
+    [prediction] = latency.step_predictions(result)
+    assert prediction["connection_us_then"] == 3000.0 and prediction["connection_us_predicted"] == 750.0
+    assert prediction["step_ms_predicted"] == pytest.approx(100.0 - 24 * 2.25)
+    assert prediction["x_res"] == pytest.approx(46.0 / 30.0)
+
+
+def test_the_calibration_file_holds_the_kernels_that_were_timed():
+    """Every GPU time of docs/benchmarks.md the model is fitted to, with a complete profile."""
+    import json
+    with open(latency.CALIBRATION, encoding="utf-8") as f:
+        data = json.load(f)
+    rows = data["rows"]
+    assert len(rows) == 14 and {r["stream_dtype"] for r in rows} == {"float32", "bfloat16"}
+    assert sum(1 for r in rows if "tile" not in r) == 8  # four kernels, two stream dtypes
+    keys = set(latency.profile(counts(), "k", (128,), resources(), TOKENS))
+    assert all(keys <= set(r["profile"]) for r in rows)
+    assert set(data["steps"]["fused_ms"]) == {"float32", "bfloat16"}
