@@ -176,6 +176,20 @@ def test_the_executed_bytes_in_the_kernel_bytes_file_are_a_fresh_count(residual,
         assert fresh["executed"][kernel] >= unique, kernel
 
 
+def test_the_backward_kernels_execute_little_beyond_their_unique_bytes():
+    """No weight-sized partial re-read per token block: the pre side's backward kernels execute at
+    most 1.15 x the bytes they touch (the rest: each channel block's per-token coefficients and its
+    weight slice), where the single kernel they replaced executed 3.5 x. From the carried file,
+    which test_the_executed_bytes_in_the_kernel_bytes_file_are_a_fresh_count keeps fresh."""
+    carried = bench_kernels.read_kernel_bytes(bench_kernels.KERNEL_BYTES)
+    backward = ("pre_backward_reduce_kernel", "pre_backward_apply_kernel")
+    for residual, per_dtype in carried.items():
+        for stream_dtype, entry in per_dtype.items():
+            executed = sum(entry["executed"][k] for k in backward)
+            unique = sum(entry["kernels"][k] for k in backward)
+            assert executed <= 1.15 * unique, (residual, stream_dtype, executed, unique)
+
+
 @pytest.mark.parametrize("residual", count_bytes.VARIANTS)
 def test_grad_weight_partials_are_written_and_summed_once(counts, residual):
     """Each grad-W token split of the backward's apply kernel writes its partial once (no zero fill,

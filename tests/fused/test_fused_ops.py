@@ -151,13 +151,14 @@ def test_connection_pre_backward_matches_torch(residual, x_dtype, bf16_operands,
             torch.testing.assert_close(g.double(), want, rtol=1e-4, atol=1e-5, msg=lambda m: f"grad {name}: {m}")
 
 
-@pytest.mark.parametrize("residual, x_dtype", [("mhclite", torch.bfloat16), ("hc", torch.float32)])
-def test_connection_pre_backward_at_the_shipped_tiles_is_deterministic(residual, x_dtype, monkeypatch):
-    """At C = 768 with the shipped tiles (a partial token block; two grad-W token splits, one of two
-    blocks): the same bits twice, grad W included (its partials are summed in a fixed order), and
-    close to float64."""
+@pytest.mark.parametrize("residual, x_dtype, width", [("mhclite", torch.bfloat16, 768), ("hc", torch.float32, 768),
+                                                     ("mhc", torch.float32, 37)])
+def test_connection_pre_backward_at_the_shipped_tiles_is_deterministic(residual, x_dtype, width, monkeypatch):
+    """At C = 768 and an odd width with the shipped tiles (a partial token block; two grad-W token
+    splits, one of two blocks): the same bits twice, grad W included (its partials are summed in a
+    fixed order), and close to float64."""
     monkeypatch.setattr(ops, "WEIGHT_GRAD_SPLITS", 2)
-    tokens, width = 33, 768
+    tokens = 33
     bf16_operands = x_dtype == torch.bfloat16
     variant, weight, scale, bias, perms, iters = packed_parameters(residual, width, seed=3)
     x = randn(tokens, N, width, seed=1, dtype=x_dtype)
