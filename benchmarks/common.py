@@ -14,6 +14,7 @@ import torch
 from tqdm import tqdm
 
 from devices import synchronize
+from fused.tools.tables import fmt, markdown_table  # noqa: F401 (the benchmarks import them from here)
 from model import GPT, GPTConfig, model_shape
 from residuals import RESIDUALS
 
@@ -198,15 +199,6 @@ def resolve_shared_flags(args):
 
 def ratio(value, baseline_value):
     return value / baseline_value if value is not None and baseline_value else None
-
-
-def fmt(value, spec):
-    return "-" if value is None else format(value, spec)
-
-
-def markdown_table(header, rows):
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
 def environment(argv, device, *command):

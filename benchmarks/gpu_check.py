@@ -250,18 +250,21 @@ def sharded_result(out):
 
 
 def kernels_result(out):
-    """Per variant and stream dtype: the four kernels' counted bytes over their summed time, against a copy."""
+    """Per variant and stream dtype: the kernels' counted bytes over their summed time, against a copy,
+    and their summed time against the time fused.tools.latency predicts at M."""
     result = read_json(os.path.join(out, "kernels.json"))
     if not result:
         return "-"
     groups = {}
     for row in result["kernels"]["rows"]:
-        group = groups.setdefault((row["residual"], row["stream_dtype"]), dict(bytes=0.0, ms=0.0))
+        group = groups.setdefault((row["residual"], row["stream_dtype"]), dict(bytes=0.0, ms=0.0, predicted_us=0.0))
         group["bytes"] += (row["bytes_per_token"] or 0) * result["kernels"]["tokens"]
         group["ms"] += row["ms"]
+        group["predicted_us"] += row.get("predicted_us_at_m") or 0
     copies = result["kernels"]["copies"]
-    return "x copy: " + "; ".join(
-        f"{residual} {dtype} {fmt(g['bytes'] / g['ms'] / 1e6 / copies[dtype]['gb_per_s'], '.2f')}"
+    return "x copy, us measured / predicted at M: " + "; ".join(
+        f"{residual} {dtype} {fmt(g['bytes'] / g['ms'] / 1e6 / copies[dtype]['gb_per_s'], '.2f')}, "
+        f"{fmt(1000 * g['ms'], ',.0f')} / {fmt(g['predicted_us'] or None, ',.0f')}"
         for (residual, dtype), g in groups.items())
 
 

@@ -7,7 +7,8 @@ setting is run on the recorded launch's inputs, checked against the shipped sett
         --block_size 16 --quick                              # CPU dry run in Triton's interpreter
 
 Each setting's outputs are poisoned with NaN before it runs, so an output it leaves unwritten fails
-the check. pre_backward is timed with the sum of its grad-W partials, which its program count sets.
+the check. The backward kernels are timed with the sums of their partials (grad scale and grad bias
+per token block of pre_backward_reduce, grad W per token split of pre_backward_apply).
 """
 
 import argparse
@@ -30,14 +31,17 @@ SWEEP = {
     "pre_kernel": dict(BLOCK_T=(16, 32, 64), BLOCK_C=(16, 32, 64), num_warps=(4, 8)),
     "post_kernel": dict(BLOCK_T=(4, 8, 16), BLOCK_C=(16, 64, 128, 256), num_warps=(4, 8)),
     "post_backward_kernel": dict(BLOCK_T=(4, 8, 16), BLOCK_C=(16, 64, 128, 256), num_warps=(4, 8)),
-    "pre_backward_kernel": dict(BLOCK_T=(16, 32), BLOCK_C=(16, 32, 64), num_warps=(4, 8), programs=(128, 264, 528)),
+    "pre_backward_reduce_kernel": dict(BLOCK_T=(16, 32), BLOCK_C=(32, 64, 128), num_warps=(4, 8)),
+    "pre_backward_apply_kernel": dict(BLOCK_T=(16, 32, 64), BLOCK_C=(16, 32, 64), num_warps=(4, 8), splits=(8, 16, 32)),
 }
 QUICK = {kernel: {key: values[:2] for key, values in sweep.items()} for kernel, sweep in SWEEP.items()}
 OUTPUTS = {"pre_kernel": ("u_ptr", "h_pre_ptr", "h_post_ptr", "h_res_ptr", "z_ptr", "rms_inv_ptr"),
            "post_kernel": ("out_ptr",),
            "post_backward_kernel": ("grad_y_ptr", "grad_h_post_ptr"),
-           "pre_backward_kernel": ("grad_x_ptr", "grad_weight_ptr", "grad_scale_ptr", "grad_bias_ptr")}
-PARTIALS = ("grad_weight_ptr", "grad_scale_ptr", "grad_bias_ptr")  # one slice per pre_backward program
+           "pre_backward_reduce_kernel": ("grad_z_ptr", "row_coef_ptr", "h_pre_ptr", "h_res_ptr", "grad_scale_ptr",
+                                          "grad_bias_ptr"),
+           "pre_backward_apply_kernel": ("grad_x_ptr", "grad_weight_ptr")}
+PARTIALS = ("grad_weight_ptr", "grad_scale_ptr", "grad_bias_ptr")  # one slice per token block or split
 # ||setting - shipped|| / ||shipped|| allowed: fp32 outputs differ only in summation order; a bf16
 # output can round the other way where the fp32 sum moved.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
@@ -51,8 +55,8 @@ def settings_of(kernel, sweep):
 def shipped_setting(launch):
     setting = {k: launch.constexprs.get(k, 4 if k == "num_warps" else None) for k in ("BLOCK_T", "BLOCK_C",
                                                                                        "num_warps")}
-    if launch.kernel == "pre_backward_kernel":
-        setting["programs"] = launch.grid[0]
+    if launch.kernel == "pre_backward_apply_kernel":
+        setting["splits"] = launch.grid[1]
     return setting
 
 
@@ -67,16 +71,16 @@ class Replay:
         blocks = -(-tokens // setting["BLOCK_T"])
         if launch.kernel == "post_kernel":
             self.grid = (blocks, -(-width // setting["BLOCK_C"]))
-        elif launch.kernel == "pre_backward_kernel":
-            self.grid = (min(setting["programs"], blocks),)
+        elif launch.kernel == "pre_backward_apply_kernel":
+            self.grid = (-(-width // setting["BLOCK_C"]), min(setting["splits"], blocks))
         else:
             self.grid = (blocks,)
         for name in OUTPUTS[launch.kernel]:
             shape = self.args[name].shape
             if name in PARTIALS:
-                shape = (self.grid[0], *shape[1:])
+                shape = (self.grid[-1], *shape[1:])
             self.args[name] = self.args[name].new_empty(shape)
-        self.constexprs = dict(launch.constexprs, **{k: v for k, v in setting.items() if k != "programs"})
+        self.constexprs = dict(launch.constexprs, **{k: v for k, v in setting.items() if k != "splits"})
 
     def run(self):
         for name in OUTPUTS[self.launch.kernel]:
@@ -87,8 +91,8 @@ class Replay:
 
     def call(self):
         ops.launch(self.launch.kernel, self.grid, self.launch.device, *self.args.values(), **self.constexprs)
-        if self.launch.kernel == "pre_backward_kernel":
-            for name in PARTIALS:
+        for name in OUTPUTS[self.launch.kernel]:
+            if name in PARTIALS:
                 self.args[name].sum(0)
 
 

@@ -1,5 +1,6 @@
 """Each fused connection kernel alone: time, GB/s from the counted bytes per token, and the ratio to
-a device-to-device copy of the streams; and a connection's backward by its number of grad-W partials.
+a device-to-device copy of the streams, beside the time fused.tools.latency predicts at M; and a
+connection's backward by its number of grad-W partials.
 
     python -m benchmarks.kernels --size M                    # on a GPU
     TRITON_INTERPRET=1 python -m benchmarks.kernels --size tiny --device cpu --batch_size 1 --block_size 16
@@ -10,8 +11,10 @@ variant's connection are recorded (fused/tools/launches.py), then each is replay
 The bytes per token per kernel come from a JSON file written by `python -m fused.tools.count_bytes
 --json PATH` on a CPU (default: fused/tools/kernel_bytes.json, which the tests keep equal to a fresh
 count), so that nothing
-here runs Triton's interpreter on the GPU machine. A second table times a connection's whole backward
-with each of PROGRAM_COUNTS pre_backward programs, each with its own grad-W partial.
+here runs Triton's interpreter on the GPU machine; the predicted times likewise from
+fused/tools/predicted_times.json (python -m fused.tools.latency --predictions PATH, on a CPU). A
+second table times a connection's whole backward with each of SPLIT_COUNTS grad-W token splits,
+each with its own grad-W partial.
 """
 
 import argparse
@@ -32,11 +35,12 @@ from model import STREAM_DTYPES, GPTConfig
 from .common import (HC_FAMILY, BenchError, add_shared_flag, environment, fmt, interleaved_times, markdown_table,
                      ratio, resolve_shared_flags, write_json)
 
-KERNEL_BYTES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fused", "tools",
-                            "kernel_bytes.json")
-# Program counts of pre_backward (each with its own weight-sized grad-W partial) timed against the
-# default, to choose between fewer partials and more of the GPU busy in the backward.
-PROGRAM_COUNTS = (66, 132, 264, 528)
+TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fused", "tools")
+KERNEL_BYTES = os.path.join(TOOLS, "kernel_bytes.json")
+PREDICTED_TIMES = os.path.join(TOOLS, "predicted_times.json")
+# Token splits of the backward's apply kernel (each with its own weight-sized grad-W partial) timed
+# against the default, to choose between fewer partials and more of the GPU busy in the backward.
+SPLIT_COUNTS = (4, 8, 16, 32)
 DRY_RUN_NOTE = ", CPU DRY RUN in Triton's interpreter: the times are not GPU times"
 
 
@@ -63,18 +67,20 @@ def time_alone(fn, warmup, repeats, device, calls=10):
     return statistics.median(times)
 
 
-def read_kernel_bytes(path):
-    """{residual: {stream dtype: {"kernels": {kernel: bytes per token}}}} from count_bytes' JSON."""
+def read_kernel_bytes(path, what="kernel bytes"):
+    """{residual: {stream dtype: {"kernels": {kernel: bytes per token}}}} from count_bytes' JSON (or
+    another of the tools' JSON files)."""
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
     except (OSError, ValueError) as e:
-        raise BenchError(f"cannot read the kernel bytes {path}: {e}") from None
+        raise BenchError(f"cannot read the {what} {path}: {e}") from None
 
 
 def kernel_bench(args, device):
     """Every kernel of every variant in args.residual_list, replayed alone at (B, T, n, C)."""
     counted = read_kernel_bytes(args.kernel_bytes)
+    predicted = read_kernel_bytes(args.predicted_times, "predicted times")
     n, width, tokens = GPTConfig.n_streams, args.shape["n_embd"], args.batch_size * args.block_size
     rows, copies = [], {}
     for stream_dtype, dtype in STREAM_DTYPES.items():
@@ -97,22 +103,25 @@ def kernel_bench(args, device):
             for row in by_kernel.values():
                 per_token = counted.get(residual, {}).get(stream_dtype, {}).get("kernels", {}).get(row["kernel"])
                 gb_per_s = per_token * tokens / row["ms"] / 1e6 if per_token is not None else None
+                predicted_us = predicted.get(residual, {}).get(stream_dtype, {}).get(row["kernel"])
                 rows.append(dict(row, bytes_per_token=per_token, gb_per_s=gb_per_s,
-                                 copy_ratio=ratio(gb_per_s, copies[stream_dtype]["gb_per_s"])))
+                                 copy_ratio=ratio(gb_per_s, copies[stream_dtype]["gb_per_s"]),
+                                 predicted_us_at_m=predicted_us, measured_over_predicted=ratio(1000 * row["ms"],
+                                                                                               predicted_us)))
             del launches
     return dict(rows=rows, copies=copies, tokens=tokens, n_streams=n, width=width, autocast=args.dtype,
-                kernel_bytes=args.kernel_bytes, dry_run=device.type != "cuda")
+                kernel_bytes=args.kernel_bytes, predicted_times=args.predicted_times, dry_run=device.type != "cuda")
 
 
-def backward_by_programs(args, device):
-    """A connection's whole backward (both backward kernels, the branch's backward, the sum of the
-    grad-W partials) timed with each of PROGRAM_COUNTS pre_backward programs (capped at the token
-    blocks), interleaved round by round as the step benchmark's steps."""
+def backward_by_splits(args, device):
+    """A connection's whole backward (its backward kernels, the branch's backward, the sum of the
+    grad-W partials) timed with each of SPLIT_COUNTS grad-W token splits (capped at the apply
+    kernel's token blocks), interleaved round by round as the step benchmark's steps."""
     tokens = args.batch_size * args.block_size
-    blocks = -(-tokens // ops.TILES["pre_backward_kernel"]["BLOCK_T"])
-    counts = sorted({min(programs, blocks) for programs in (*PROGRAM_COUNTS, ops.WEIGHT_GRAD_PROGRAMS)})
-    default = min(ops.WEIGHT_GRAD_PROGRAMS, blocks)
-    rows, saved = [], ops.WEIGHT_GRAD_PROGRAMS
+    blocks = -(-tokens // ops.TILES["pre_backward_apply_kernel"]["BLOCK_T"])
+    counts = sorted({min(splits, blocks) for splits in (*SPLIT_COUNTS, ops.WEIGHT_GRAD_SPLITS)})
+    default = min(ops.WEIGHT_GRAD_SPLITS, blocks)
+    rows, saved = [], ops.WEIGHT_GRAD_SPLITS
     for stream_dtype in STREAM_DTYPES:
         for residual in args.residual_list:
             module, branch, x, grad = connection_setup(residual, stream_dtype, args.shape["n_embd"], args.batch_size,
@@ -120,44 +129,45 @@ def backward_by_programs(args, device):
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16"):
                 out = connection_forward(module, x, branch)
             inputs = [x, *module.parameters(), *branch.parameters()]
-            per_program = ops.partial_bytes_per_program(*packed_parameters(module)[1:4])
+            per_split = ops.partial_bytes_per_split(packed_parameters(module)[1])
 
-            def step_with(programs):
+            def step_with(splits):
                 def step(r):
-                    ops.WEIGHT_GRAD_PROGRAMS = programs
+                    ops.WEIGHT_GRAD_SPLITS = splits
                     torch.autograd.grad(out, inputs, grad, retain_graph=True)
                 return step
 
             try:
-                samples = interleaved_times({programs: step_with(programs) for programs in counts},
+                samples = interleaved_times({splits: step_with(splits) for splits in counts},
                                             args.warmup + args.steps, args.warmup, device,
-                                            f"{residual} {stream_dtype}: backward by programs")
+                                            f"{residual} {stream_dtype}: backward by grad-W splits")
             finally:
-                ops.WEIGHT_GRAD_PROGRAMS = saved
-            times = {programs: statistics.median(ms) for programs, ms in samples.items()}
-            for programs, ms in times.items():
-                rows.append(dict(residual=residual, stream_dtype=stream_dtype, programs=programs, ms=ms,
-                                 ratio=ratio(ms, times[default]),
-                                 partial_bytes_per_token=per_program * programs / tokens))
-    return dict(rows=rows, default_programs=default, tokens=tokens)
+                ops.WEIGHT_GRAD_SPLITS = saved
+            times = {splits: statistics.median(ms) for splits, ms in samples.items()}
+            for splits, ms in times.items():
+                rows.append(dict(residual=residual, stream_dtype=stream_dtype, splits=splits, ms=ms,
+                                 ratio=ratio(ms, times[default]), partial_bytes_per_token=per_split * splits / tokens))
+    return dict(rows=rows, default_splits=default, tokens=tokens)
 
 
-def programs_table(result):
-    rows = [[r["residual"], r["stream_dtype"], str(r["programs"]), fmt(1000 * r["ms"], ".1f"), fmt(r["ratio"], ".3f"),
+def splits_table(result):
+    rows = [[r["residual"], r["stream_dtype"], str(r["splits"]), fmt(1000 * r["ms"], ".1f"), fmt(r["ratio"], ".3f"),
              fmt(r["partial_bytes_per_token"], ",.0f")] for r in result["rows"]]
-    return markdown_table(["variant", "streams", "pre_backward programs", "backward us",
-                           f"x {result['default_programs']} programs", "grad-W partial bytes/token"], rows)
+    return markdown_table(["variant", "streams", "grad-W splits", "backward us", f"x {result['default_splits']} splits",
+                           "grad-W partial bytes/token"], rows)
 
 
 def kernel_table(result):
     rows = [[r["residual"], r["stream_dtype"], r["kernel"].removesuffix("_kernel"), r["phase"], str(r["launches"]),
              fmt(1000 * r["ms"], ".1f"), fmt(r["bytes_per_token"], ",.0f"), fmt(r["gb_per_s"], ".0f"),
-             fmt(r["copy_ratio"], ".2f")] for r in result["rows"]]
+             fmt(r["copy_ratio"], ".2f"), fmt(r["predicted_us_at_m"], ".1f"),
+             fmt(r["measured_over_predicted"], ".2f")] for r in result["rows"]]
     copies = "; ".join(f"{dtype} streams {fmt(c['gb_per_s'], '.0f')} GB/s ({fmt(1000 * c['ms'], '.1f')} us for "
                        f"{c['bytes'] / 2**20:.1f} MiB read + written)" for dtype, c in result["copies"].items())
     table = markdown_table(["variant", "streams", "kernel", "phase", "launches", "us", "bytes/token", "GB/s",
-                            "x copy"], rows)
-    return f"{table}\n\ndevice-to-device copy of the streams: {copies}"
+                            "x copy", "predicted us at M", "measured / predicted"], rows)
+    return (f"{table}\n\ndevice-to-device copy of the streams: {copies}\npredicted: python -m fused.tools.latency "
+            f"on a CPU ({os.path.relpath(result['predicted_times'])}), for M's 16,384 tokens, C = 768, on an H100/H200")
 
 
 def parse_args(argv):
@@ -167,6 +177,8 @@ def parse_args(argv):
         add_shared_flag(parser, flag)
     parser.add_argument("--residuals", default=",".join(HC_FAMILY), help="the HC-family variants, comma-separated")
     parser.add_argument("--kernel_bytes", default=KERNEL_BYTES, help="python -m fused.tools.count_bytes --json output")
+    parser.add_argument("--predicted_times", default=PREDICTED_TIMES,
+                        help="python -m fused.tools.latency --predictions output")
     parser.add_argument("--json", help="output path (default out/bench/<size>-<device>-<dtype>-kernels.json)")
     return parser.parse_args(argv)
 
@@ -194,7 +206,7 @@ def main(argv=None):
         device = torch.device(args.device_type)
         result = dict(environment(argv, device, "-m", "benchmarks.kernels"), mode="kernels",
                       kernels=kernel_bench(args, device))
-        result["programs"] = backward_by_programs(args, device)
+        result["splits"] = backward_by_splits(args, device)
     except BenchError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -202,8 +214,8 @@ def main(argv=None):
     print(f"## Fused connection kernels alone, {args.batch_size} x {args.block_size} tokens, n = "
           f"{GPTConfig.n_streams}, C = {args.shape['n_embd']}, autocast {args.dtype}, {result['device_name']}, "
           f"median of {args.steps} after {args.warmup} warm-up{dry_run}\n\n{kernel_table(result['kernels'])}\n")
-    print(f"## A connection's backward by the number of pre_backward programs (grad-W partials), same "
-          f"shapes\n\n{programs_table(result['programs'])}\n")
+    print(f"## A connection's backward by the number of grad-W token splits (partials), same "
+          f"shapes\n\n{splits_table(result['splits'])}\n")
     write_json(result, args.json)
 
 

@@ -7,9 +7,12 @@ output element; VARIANT is "hc", "mhc" or "mhclite"):
     (branch)       y = f(u)
     post           x, h_res, h_post, y -> x_next              x_next[i] = sum_j h_res[i, j] x[j] + h_post[i] y
     post_backward  g = grad x_next, y -> grad y, grad h_post  before the branch's backward
-    pre_backward   x, g, grad u, grad h_post -> grad x, and   after it: coefficient grads, coefficient-math
-                   per-program partials of grad W, scales,    backward in registers, grad x written once
-                   biases                                      (mixing, projection and RMS terms together)
+    pre_backward_reduce  x, g, grad u, grad h_post ->        after it, per token block: coefficient grads,
+                   grad z, row term, h_pre, h_res, and        coefficient-math backward in registers
+                   the block's grad scale and grad bias
+    pre_backward_apply   x, g, grad u, grad z, ... ->         per channel block and token split: grad x
+                   grad x, the split's partial of grad W      written once (mixing, projection and RMS
+                                                               terms), grad W's slice summed on chip
 
 Coefficient layouts (fp32, per token): h_pre (n), h_post (n), h_res (n, n) with x_next[i] =
 sum_j h_res[i, j] x[j]. z is the projection before the RMS factor, rms_inv the RMS factor; with
@@ -51,13 +54,6 @@ def dot_accumulate(a, b, acc, OPERANDS: tl.constexpr):
     else:
         out = tl.dot(a, b, acc, input_precision="ieee")
     return out
-
-
-@triton.jit
-def later_block(ok, block, program):
-    """ok where `block` is not `program`'s first: its first block writes the grad-W partial, later
-    ones load it and add (block-shaped, as the interpreter wants a mask)."""
-    return ok & ((ok.to(tl.int32) * 0 + block) != program)
 
 
 @triton.jit
@@ -373,69 +369,47 @@ def mixing_grad_x(grad_ptr, grad_u_ptr, h_pre, h_res, token, token_ok, start, C,
 
 
 @triton.jit
-def pre_backward_kernel(x_ptr, grad_ptr, grad_u_ptr, grad_h_post_ptr, weight_ptr, scale_ptr, bias_ptr, perm_ptr,
-                        z_ptr, rms_inv_ptr, grad_x_ptr, grad_weight_ptr, grad_scale_ptr, grad_bias_ptr, T, C,
-                        VARIANT: tl.constexpr, RES: tl.constexpr, ITERS: tl.constexpr, OPERANDS: tl.constexpr,
-                        BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, RES_BLOCK: tl.constexpr):
-    """After the branch's backward. Each program takes every num_programs-th block of BLOCK_T
-    tokens: recomputes the coefficients from z and rms_inv, reduces the mixing's coefficient grads
-    over the channels, runs the coefficient math backward in registers, then writes grad x once
-    (mixing + projection + RMS terms) from a re-read of the tile, and accumulates grad_z^T x in its
-    own weight-sized slice of grad_weight (its first block writes the slice, later ones add; the
-    caller sums the slices), and its scale and bias grads in its slices of grad_scale and grad_bias.
-    Per token: reads x and g (2 nCs), grad u (4C) and O(n^2) floats; writes grad x (nCs)."""
+def pre_backward_reduce_kernel(x_ptr, grad_ptr, grad_u_ptr, grad_h_post_ptr, scale_ptr, bias_ptr, perm_ptr, z_ptr,
+                               rms_inv_ptr, grad_z_ptr, row_coef_ptr, h_pre_ptr, h_res_ptr, grad_scale_ptr,
+                               grad_bias_ptr, T, C, VARIANT: tl.constexpr, RES: tl.constexpr, ITERS: tl.constexpr,
+                               BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, RES_BLOCK: tl.constexpr):
+    """After the branch's backward, the first of two passes, one program per BLOCK_T tokens:
+    recomputes the coefficients from z and rms_inv, reduces the mixing's coefficient grads over the
+    channels, runs the coefficient math backward in registers and stores, per token, what the apply
+    pass needs: the projection's gradient grad z (before the RMS factor), the RMS row term's
+    coefficient, h_pre and h_res; and its token block's grad scale and grad bias.
+    Per token: reads x and g (2 nCs), grad u (4C) and O(n^2) floats; writes O(n^2) floats."""
     program = tl.program_id(0)
     stream = tl.arange(0, STREAMS)
+    token = program * BLOCK_T + tl.arange(0, BLOCK_T)
+    token_ok = token < T
+    grad_h_pre, grad_h_res = mixing_grads(x_ptr, grad_ptr, grad_u_ptr, token, token_ok, C, BLOCK_C)
+    grad_h_post = tl.load(grad_h_post_ptr + token[:, None] * STREAMS + stream[None, :], mask=token_ok[:, None],
+                          other=0.0)
     if VARIANT == "hc":
         k = tl.arange(0, HC_LOGITS)
         k_ok = k < STREAMS + 2
         scale = tl.load(scale_ptr + k, mask=k_ok, other=0.0)
-        grad_scale = tl.zeros((HC_LOGITS,), dtype=tl.float32)
-        grad_bias = tl.zeros((STREAMS, HC_LOGITS), dtype=tl.float32)
-        for block in range(program, tl.cdiv(T, BLOCK_T), tl.num_programs(0)):
-            token = block * BLOCK_T + tl.arange(0, BLOCK_T)
-            token_ok = token < T
-            row = block * BLOCK_T * STREAMS + tl.arange(0, BLOCK_T * STREAMS)
-            row_ok = row < T * STREAMS
-            z = tl.load(z_ptr + row[:, None] * (STREAMS + 2) + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                        other=0.0)
-            rms_inv = tl.load(rms_inv_ptr + row, mask=row_ok, other=0.0)
-            z3 = tl.reshape(z, (BLOCK_T, STREAMS, HC_LOGITS))
-            rms_inv3 = tl.reshape(rms_inv, (BLOCK_T, STREAMS))
-            h_pre, _, h_res, t = hc_coefficients(z3, rms_inv3, scale_ptr, bias_ptr)
-            grad_h_pre, grad_h_res = mixing_grads(x_ptr, grad_ptr, grad_u_ptr, token, token_ok, C, BLOCK_C)
-            grad_h_post = tl.load(grad_h_post_ptr + token[:, None] * STREAMS + stream[None, :],
-                                  mask=token_ok[:, None], other=0.0)
-            kk = k[None, None, :]
-            grad_a = (tl.where(kk == 0, grad_h_pre[:, :, None], 0.0)
-                      + tl.where(kk == STREAMS + 1, grad_h_post[:, :, None], 0.0)
-                      + hc_to_columns(tl.permute(grad_h_res, (0, 2, 1)), 1, HC_LOGITS))
-            grad_scale += tl.sum(tl.sum(grad_a * t, axis=1), axis=0)
-            grad_bias += tl.sum(grad_a, axis=0)
-            grad_zr = grad_a * scale[None, None, :] * (1 - t * t)
-            row_coef3 = -tl.sum(grad_zr * z3, axis=2) * rms_inv3 * rms_inv3 * rms_inv3 / C
-            grad_z = tl.reshape(grad_zr * rms_inv3[:, :, None], (BLOCK_T * STREAMS, HC_LOGITS))
-            row_coef = tl.reshape(row_coef3, (BLOCK_T * STREAMS,))
-            partial = grad_weight_ptr + program.to(tl.int64) * (STREAMS + 2) * C
-            for start in range(0, C, BLOCK_C):
-                channel = start + tl.arange(0, BLOCK_C)
-                channel_ok = channel < C
-                tile = row.to(tl.int64)[:, None] * C + channel[None, :]
-                tile_ok = row_ok[:, None] & channel_ok[None, :]
-                rows = tl.load(x_ptr + tile, mask=tile_ok, other=0.0).to(tl.float32)
-                mixing = mixing_grad_x(grad_ptr, grad_u_ptr, h_pre, h_res, token, token_ok, start, C, BLOCK_C)
-                weight = tl.load(weight_ptr + k[:, None] * C + channel[None, :],
-                                 mask=k_ok[:, None] & channel_ok[None, :], other=0.0)
-                grad_rows = tl.reshape(mixing, (BLOCK_T * STREAMS, BLOCK_C)) + rows * row_coef[:, None]
-                grad_rows = dot_accumulate(grad_z, weight, grad_rows, OPERANDS)
-                tl.store(grad_x_ptr + tile, grad_rows.to(grad_x_ptr.dtype.element_ty), mask=tile_ok)
-                slice_ptr = partial + k[:, None] * C + channel[None, :]
-                slice_ok = k_ok[:, None] & channel_ok[None, :]
-                acc = tl.load(slice_ptr, mask=later_block(slice_ok, block, program), other=0.0)
-                tl.store(slice_ptr, dot_accumulate(tl.trans(grad_z), rows, acc, OPERANDS), mask=slice_ok)
-        tl.store(grad_scale_ptr + program * (STREAMS + 2) + k, grad_scale, mask=k_ok)
+        row = program * BLOCK_T * STREAMS + tl.arange(0, BLOCK_T * STREAMS)
+        row_ok = row < T * STREAMS
+        z = tl.load(z_ptr + row[:, None] * (STREAMS + 2) + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        rms_inv = tl.load(rms_inv_ptr + row, mask=row_ok, other=0.0)
+        z3 = tl.reshape(z, (BLOCK_T, STREAMS, HC_LOGITS))
+        rms_inv3 = tl.reshape(rms_inv, (BLOCK_T, STREAMS))
+        h_pre, _, h_res, t = hc_coefficients(z3, rms_inv3, scale_ptr, bias_ptr)
+        kk = k[None, None, :]
+        grad_a = (tl.where(kk == 0, grad_h_pre[:, :, None], 0.0)
+                  + tl.where(kk == STREAMS + 1, grad_h_post[:, :, None], 0.0)
+                  + hc_to_columns(tl.permute(grad_h_res, (0, 2, 1)), 1, HC_LOGITS))
+        tl.store(grad_scale_ptr + program * (STREAMS + 2) + k, tl.sum(tl.sum(grad_a * t, axis=1), axis=0), mask=k_ok)
         tl.store(grad_bias_ptr + program * STREAMS * (STREAMS + 2) + stream[:, None] * (STREAMS + 2) + k[None, :],
-                 grad_bias, mask=k_ok[None, :])
+                 tl.sum(grad_a, axis=0), mask=k_ok[None, :])
+        grad_zr = grad_a * scale[None, None, :] * (1 - t * t)
+        row_coef = -tl.sum(grad_zr * z3, axis=2) * rms_inv3 * rms_inv3 * rms_inv3 / C
+        grad_z = tl.reshape(grad_zr * rms_inv3[:, :, None], (BLOCK_T * STREAMS, HC_LOGITS))
+        tl.store(grad_z_ptr + row[:, None] * (STREAMS + 2) + k[None, :], grad_z, mask=row_ok[:, None] & k_ok[None, :])
+        tl.store(row_coef_ptr + row, tl.reshape(row_coef, (BLOCK_T * STREAMS,)), mask=row_ok)
     else:
         LOGITS: tl.constexpr = 2 * STREAMS + RES
         D = STREAMS * C
@@ -445,77 +419,127 @@ def pre_backward_kernel(x_ptr, grad_ptr, grad_u_ptr, grad_h_post_ptr, weight_ptr
         res_ok = res < RES
         scale_pair = tl.load(scale_ptr + pair, mask=pair_ok, other=0.0)
         scale_res = tl.load(scale_ptr + 2 * STREAMS + res, mask=res_ok, other=0.0)
-        depth_in_block = tl.arange(0, STREAMS * BLOCK_C)
-        block_stream = depth_in_block // BLOCK_C
-        block_channel = depth_in_block % BLOCK_C
-        grad_scale_pair = tl.zeros((PAIR_LOGITS,), dtype=tl.float32)
-        grad_bias_pair = tl.zeros((PAIR_LOGITS,), dtype=tl.float32)
-        grad_scale_res = tl.zeros((RES_BLOCK,), dtype=tl.float32)
-        grad_bias_res = tl.zeros((RES_BLOCK,), dtype=tl.float32)
-        for block in range(program, tl.cdiv(T, BLOCK_T), tl.num_programs(0)):
+        z_pair = tl.load(z_ptr + token[:, None] * LOGITS + pair[None, :], mask=token_ok[:, None] & pair_ok[None, :],
+                         other=0.0)
+        z_res = tl.load(z_ptr + token[:, None] * LOGITS + 2 * STREAMS + res[None, :],
+                        mask=token_ok[:, None] & res_ok[None, :], other=0.0)
+        rms_inv = tl.load(rms_inv_ptr + token, mask=token_ok, other=0.0)
+        h_pre, _, h_res, sig, res_weights = manifold_coefficients(z_pair, z_res, rms_inv, scale_ptr, bias_ptr,
+                                                                  perm_ptr, VARIANT, RES, ITERS)
+        grad_sig = to_columns(grad_h_pre, 0, PAIR_LOGITS) + 2 * to_columns(grad_h_post, STREAMS, PAIR_LOGITS)
+        grad_pair = grad_sig * sig * (1 - sig)
+        if VARIANT == "mhc":
+            logits3 = tl.reshape(res_weights, (BLOCK_T, STREAMS, STREAMS))
+            grad_res = tl.reshape(sinkhorn_backward(logits3, grad_h_res, ITERS), (BLOCK_T, RES_BLOCK))
+        else:
+            perms_t = tl.load(perm_ptr + res[None, :] * (STREAMS * STREAMS) + tl.arange(0, STREAMS * STREAMS)[:, None],
+                              mask=res_ok[None, :], other=0.0)
+            grad_weights = tl.dot(tl.reshape(grad_h_res, (BLOCK_T, STREAMS * STREAMS)), perms_t,
+                                  input_precision="ieee")
+            grad_res = res_weights * (grad_weights - tl.sum(res_weights * grad_weights, axis=1)[:, None])
+        own = program * LOGITS
+        tl.store(grad_scale_ptr + own + pair, tl.sum(grad_pair * z_pair * rms_inv[:, None], axis=0), mask=pair_ok)
+        tl.store(grad_bias_ptr + own + pair, tl.sum(grad_pair, axis=0), mask=pair_ok)
+        tl.store(grad_scale_ptr + own + 2 * STREAMS + res, tl.sum(grad_res * z_res * rms_inv[:, None], axis=0),
+                 mask=res_ok)
+        tl.store(grad_bias_ptr + own + 2 * STREAMS + res, tl.sum(grad_res, axis=0), mask=res_ok)
+        grad_pair = grad_pair * scale_pair[None, :]
+        grad_res = grad_res * scale_res[None, :]
+        grad_rms = tl.sum(grad_pair * z_pair, axis=1) + tl.sum(grad_res * z_res, axis=1)
+        tl.store(row_coef_ptr + token, -grad_rms * rms_inv * rms_inv * rms_inv / D, mask=token_ok)
+        tl.store(grad_z_ptr + token[:, None] * LOGITS + pair[None, :], grad_pair * rms_inv[:, None],
+                 mask=token_ok[:, None] & pair_ok[None, :])
+        tl.store(grad_z_ptr + token[:, None] * LOGITS + 2 * STREAMS + res[None, :], grad_res * rms_inv[:, None],
+                 mask=token_ok[:, None] & res_ok[None, :])
+    tl.store(h_pre_ptr + token[:, None] * STREAMS + stream[None, :], h_pre, mask=token_ok[:, None])
+    tl.store(h_res_ptr + token[:, None, None] * (STREAMS * STREAMS) + (stream[:, None] * STREAMS + stream[None, :])[None],
+             h_res, mask=token_ok[:, None, None])
+
+
+@triton.jit
+def pre_backward_apply_kernel(x_ptr, grad_ptr, grad_u_ptr, weight_ptr, grad_z_ptr, row_coef_ptr, h_pre_ptr, h_res_ptr,
+                              grad_x_ptr, grad_weight_ptr, T, C, VARIANT: tl.constexpr, RES: tl.constexpr,
+                              OPERANDS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+                              RES_BLOCK: tl.constexpr):
+    """The second pass, one program per BLOCK_C channels (of every stream) and token split: its
+    slice of the weight stays in registers while it walks the split's token blocks (every
+    num_programs(1)-th one) and writes grad x = h_pre grad u + h_res^T g + row term x + grad z W
+    once, summing grad z^T x for its slice of grad W on chip, stored once at the end into the
+    split's weight-sized partial (the caller sums the splits in a fixed order).
+    Per token: reads x and g (2 nCs), grad u (4C) and O(n^2) floats per channel block; writes grad x (nCs)."""
+    channel_block = tl.program_id(0)
+    split = tl.program_id(1)
+    start = channel_block * BLOCK_C
+    stream = tl.arange(0, STREAMS)
+    pair_index = stream[:, None] * STREAMS + stream[None, :]
+    if VARIANT == "hc":
+        k = tl.arange(0, HC_LOGITS)
+        k_ok = k < STREAMS + 2
+        channel = start + tl.arange(0, BLOCK_C)
+        channel_ok = channel < C
+        weight = tl.load(weight_ptr + k[:, None] * C + channel[None, :], mask=k_ok[:, None] & channel_ok[None, :],
+                         other=0.0)
+        acc = tl.zeros((HC_LOGITS, BLOCK_C), dtype=tl.float32)
+        for block in range(split, tl.cdiv(T, BLOCK_T), tl.num_programs(1)):
             token = block * BLOCK_T + tl.arange(0, BLOCK_T)
             token_ok = token < T
-            z_pair = tl.load(z_ptr + token[:, None] * LOGITS + pair[None, :], mask=token_ok[:, None] & pair_ok[None, :],
-                             other=0.0)
-            z_res = tl.load(z_ptr + token[:, None] * LOGITS + 2 * STREAMS + res[None, :],
-                            mask=token_ok[:, None] & res_ok[None, :], other=0.0)
-            rms_inv = tl.load(rms_inv_ptr + token, mask=token_ok, other=0.0)
-            h_pre, _, h_res, sig, res_weights = manifold_coefficients(z_pair, z_res, rms_inv, scale_ptr, bias_ptr,
-                                                                      perm_ptr, VARIANT, RES, ITERS)
-            grad_h_pre, grad_h_res = mixing_grads(x_ptr, grad_ptr, grad_u_ptr, token, token_ok, C, BLOCK_C)
-            grad_h_post = tl.load(grad_h_post_ptr + token[:, None] * STREAMS + stream[None, :],
-                                  mask=token_ok[:, None], other=0.0)
-            grad_sig = to_columns(grad_h_pre, 0, PAIR_LOGITS) + 2 * to_columns(grad_h_post, STREAMS, PAIR_LOGITS)
-            grad_pair = grad_sig * sig * (1 - sig)
-            if VARIANT == "mhc":
-                logits3 = tl.reshape(res_weights, (BLOCK_T, STREAMS, STREAMS))
-                grad_res = tl.reshape(sinkhorn_backward(logits3, grad_h_res, ITERS), (BLOCK_T, RES_BLOCK))
-            else:
-                perms_t = tl.load(perm_ptr + res[None, :] * (STREAMS * STREAMS)
-                                  + tl.arange(0, STREAMS * STREAMS)[:, None], mask=res_ok[None, :], other=0.0)
-                grad_weights = tl.dot(tl.reshape(grad_h_res, (BLOCK_T, STREAMS * STREAMS)), perms_t,
-                                      input_precision="ieee")
-                grad_res = res_weights * (grad_weights - tl.sum(res_weights * grad_weights, axis=1)[:, None])
-            p_pair = z_pair * rms_inv[:, None]
-            p_res = z_res * rms_inv[:, None]
-            grad_scale_pair += tl.sum(grad_pair * p_pair, axis=0)
-            grad_bias_pair += tl.sum(grad_pair, axis=0)
-            grad_scale_res += tl.sum(grad_res * p_res, axis=0)
-            grad_bias_res += tl.sum(grad_res, axis=0)
-            grad_pair = grad_pair * scale_pair[None, :]
-            grad_res = grad_res * scale_res[None, :]
-            grad_rms = tl.sum(grad_pair * z_pair, axis=1) + tl.sum(grad_res * z_res, axis=1)
-            row_coef = -grad_rms * rms_inv * rms_inv * rms_inv / D
-            grad_z_pair = grad_pair * rms_inv[:, None]
-            grad_z_res = grad_res * rms_inv[:, None]
-            base = token.to(tl.int64) * D
-            partial = grad_weight_ptr + program.to(tl.int64) * LOGITS * D
-            for start in range(0, C, BLOCK_C):
-                channel = start + block_channel
-                channel_ok = channel < C
-                depth = block_stream * C + channel
-                tile = base[:, None] + depth[None, :]
-                tile_ok = token_ok[:, None] & channel_ok[None, :]
-                rows = tl.load(x_ptr + tile, mask=tile_ok, other=0.0).to(tl.float32)
-                mixing = mixing_grad_x(grad_ptr, grad_u_ptr, h_pre, h_res, token, token_ok, start, C, BLOCK_C)
-                weight_pair = tl.load(weight_ptr + pair[:, None] * D + depth[None, :],
-                                      mask=pair_ok[:, None] & channel_ok[None, :], other=0.0)
-                weight_res = tl.load(weight_ptr + (2 * STREAMS + res[:, None]) * D + depth[None, :],
-                                     mask=res_ok[:, None] & channel_ok[None, :], other=0.0)
-                grad_rows = tl.reshape(mixing, (BLOCK_T, STREAMS * BLOCK_C)) + rows * row_coef[:, None]
-                grad_rows = dot_accumulate(grad_z_pair, weight_pair, grad_rows, OPERANDS)
-                grad_rows = dot_accumulate(grad_z_res, weight_res, grad_rows, OPERANDS)
-                tl.store(grad_x_ptr + tile, grad_rows.to(grad_x_ptr.dtype.element_ty), mask=tile_ok)
-                pair_slice = partial + pair[:, None] * D + depth[None, :]
-                pair_slice_ok = pair_ok[:, None] & channel_ok[None, :]
-                acc = tl.load(pair_slice, mask=later_block(pair_slice_ok, block, program), other=0.0)
-                tl.store(pair_slice, dot_accumulate(tl.trans(grad_z_pair), rows, acc, OPERANDS), mask=pair_slice_ok)
-                res_slice = partial + (2 * STREAMS + res[:, None]) * D + depth[None, :]
-                res_slice_ok = res_ok[:, None] & channel_ok[None, :]
-                acc = tl.load(res_slice, mask=later_block(res_slice_ok, block, program), other=0.0)
-                tl.store(res_slice, dot_accumulate(tl.trans(grad_z_res), rows, acc, OPERANDS), mask=res_slice_ok)
-        own = program * LOGITS
-        tl.store(grad_scale_ptr + own + pair, grad_scale_pair, mask=pair_ok)
-        tl.store(grad_bias_ptr + own + pair, grad_bias_pair, mask=pair_ok)
-        tl.store(grad_scale_ptr + own + 2 * STREAMS + res, grad_scale_res, mask=res_ok)
-        tl.store(grad_bias_ptr + own + 2 * STREAMS + res, grad_bias_res, mask=res_ok)
+            row = block * BLOCK_T * STREAMS + tl.arange(0, BLOCK_T * STREAMS)
+            row_ok = row < T * STREAMS
+            grad_z = tl.load(grad_z_ptr + row[:, None] * (STREAMS + 2) + k[None, :],
+                             mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            row_coef = tl.load(row_coef_ptr + row, mask=row_ok, other=0.0)
+            h_pre = tl.load(h_pre_ptr + token[:, None] * STREAMS + stream[None, :], mask=token_ok[:, None], other=0.0)
+            h_res = tl.load(h_res_ptr + token[:, None, None] * (STREAMS * STREAMS) + pair_index[None, :, :],
+                            mask=token_ok[:, None, None], other=0.0)
+            tile = row.to(tl.int64)[:, None] * C + channel[None, :]
+            tile_ok = row_ok[:, None] & channel_ok[None, :]
+            rows = tl.load(x_ptr + tile, mask=tile_ok, other=0.0).to(tl.float32)
+            mixing = mixing_grad_x(grad_ptr, grad_u_ptr, h_pre, h_res, token, token_ok, start, C, BLOCK_C)
+            grad_rows = tl.reshape(mixing, (BLOCK_T * STREAMS, BLOCK_C)) + rows * row_coef[:, None]
+            grad_rows = dot_accumulate(grad_z, weight, grad_rows, OPERANDS)
+            tl.store(grad_x_ptr + tile, grad_rows.to(grad_x_ptr.dtype.element_ty), mask=tile_ok)
+            acc = dot_accumulate(tl.trans(grad_z), rows, acc, OPERANDS)
+        tl.store(grad_weight_ptr + split.to(tl.int64) * (STREAMS + 2) * C + k[:, None] * C + channel[None, :], acc,
+                 mask=k_ok[:, None] & channel_ok[None, :])
+    else:
+        LOGITS: tl.constexpr = 2 * STREAMS + RES
+        D = STREAMS * C
+        pair = tl.arange(0, PAIR_LOGITS)
+        res = tl.arange(0, RES_BLOCK)
+        pair_ok = pair < 2 * STREAMS
+        res_ok = res < RES
+        depth_in_block = tl.arange(0, STREAMS * BLOCK_C)  # (stream, channel) within the channel block
+        channel = start + depth_in_block % BLOCK_C
+        channel_ok = channel < C
+        depth = (depth_in_block // BLOCK_C) * C + channel
+        weight_pair = tl.load(weight_ptr + pair[:, None] * D + depth[None, :],
+                              mask=pair_ok[:, None] & channel_ok[None, :], other=0.0)
+        weight_res = tl.load(weight_ptr + (2 * STREAMS + res[:, None]) * D + depth[None, :],
+                             mask=res_ok[:, None] & channel_ok[None, :], other=0.0)
+        acc_pair = tl.zeros((PAIR_LOGITS, STREAMS * BLOCK_C), dtype=tl.float32)
+        acc_res = tl.zeros((RES_BLOCK, STREAMS * BLOCK_C), dtype=tl.float32)
+        for block in range(split, tl.cdiv(T, BLOCK_T), tl.num_programs(1)):
+            token = block * BLOCK_T + tl.arange(0, BLOCK_T)
+            token_ok = token < T
+            grad_z_pair = tl.load(grad_z_ptr + token[:, None] * LOGITS + pair[None, :],
+                                  mask=token_ok[:, None] & pair_ok[None, :], other=0.0)
+            grad_z_res = tl.load(grad_z_ptr + token[:, None] * LOGITS + 2 * STREAMS + res[None, :],
+                                 mask=token_ok[:, None] & res_ok[None, :], other=0.0)
+            row_coef = tl.load(row_coef_ptr + token, mask=token_ok, other=0.0)
+            h_pre = tl.load(h_pre_ptr + token[:, None] * STREAMS + stream[None, :], mask=token_ok[:, None], other=0.0)
+            h_res = tl.load(h_res_ptr + token[:, None, None] * (STREAMS * STREAMS) + pair_index[None, :, :],
+                            mask=token_ok[:, None, None], other=0.0)
+            tile = token.to(tl.int64)[:, None] * D + depth[None, :]
+            tile_ok = token_ok[:, None] & channel_ok[None, :]
+            rows = tl.load(x_ptr + tile, mask=tile_ok, other=0.0).to(tl.float32)
+            mixing = mixing_grad_x(grad_ptr, grad_u_ptr, h_pre, h_res, token, token_ok, start, C, BLOCK_C)
+            grad_rows = tl.reshape(mixing, (BLOCK_T, STREAMS * BLOCK_C)) + rows * row_coef[:, None]
+            grad_rows = dot_accumulate(grad_z_pair, weight_pair, grad_rows, OPERANDS)
+            grad_rows = dot_accumulate(grad_z_res, weight_res, grad_rows, OPERANDS)
+            tl.store(grad_x_ptr + tile, grad_rows.to(grad_x_ptr.dtype.element_ty), mask=tile_ok)
+            acc_pair = dot_accumulate(tl.trans(grad_z_pair), rows, acc_pair, OPERANDS)
+            acc_res = dot_accumulate(tl.trans(grad_z_res), rows, acc_res, OPERANDS)
+        partial = grad_weight_ptr + split.to(tl.int64) * LOGITS * D
+        tl.store(partial + pair[:, None] * D + depth[None, :], acc_pair, mask=pair_ok[:, None] & channel_ok[None, :])
+        tl.store(partial + (2 * STREAMS + res[:, None]) * D + depth[None, :], acc_res,
+                 mask=res_ok[:, None] & channel_ok[None, :])

@@ -7,12 +7,14 @@ iterations, mhclite's softmax and exact combination of permutation matrices) and
 h_pre[j] x[j]. connection_post computes x_next = h_res x + h_post y from x and stores it in x's
 dtype. Backward: connection_post's backward kernel (before the branch's backward) makes grad y and
 grad h_post; it hands the incoming gradient g on, untouched, as the gradient of `next_grad`, a
-zero-storage output of connection_pre of x's shape, so that connection_pre's backward kernel
-(after the branch's backward) has g, grad u and x together: it makes the coefficient gradients,
-runs the coefficient math backward in registers (mhc: Sinkhorn recomputed from checkpoints), and
-writes grad x once with the mixing, projection and RMS terms in it, while each program reduces
-the projection weight's gradient for its tokens (summed by one small torch reduction). No autograd
-add of two full-size gradients, no cast copy of x. Saved for backward: x and per token O(n^2)
+zero-storage output of connection_pre of x's shape, so that connection_pre's backward (after the
+branch's backward) has g, grad u and x together, in two kernels: a reduce kernel over token blocks
+makes the coefficient gradients and runs the coefficient math backward in registers (mhc:
+Sinkhorn recomputed from checkpoints), storing per token the projection's gradient grad z; an
+apply kernel over channel blocks writes grad x once with the mixing, projection and RMS terms in
+it, while each program sums its slice of the projection weight's gradient over its token split on
+chip (the splits summed by one small torch reduction, in a fixed order). No autograd add of two
+full-size gradients, no cast copy of x, no weight-sized partial re-read per token block. Saved for backward: x and per token O(n^2)
 floats (z, rms_inv), nothing n x C wide. Bytes per token: docs/benchmarks.md (python -m fused.tools.count_bytes).
 
 Every kernel launch goes through `_launch`; `launch_hook` lets a tool see (and run, or not) each one.
@@ -28,20 +30,20 @@ from residuals import RMS_EPS
 STREAMS = 4  # the kernels are written for n = 4 streams
 MIN_SINKHORN_ITERS = 4  # the Sinkhorn backward keeps four checkpoints
 
-# Each kernel's tile (constexprs: tokens per program, channels per loop step) and warps: the fastest
-# setting of `python -m benchmarks.kernel_tiles --size M` on an H100 (docs/benchmarks.md) that
-# spills no registers on sm_80 or sm_90 (python -m fused.tools.resources). tl.dot needs 16 or more
-# tokens and channels in the pre kernels.
+# Each kernel's tile (constexprs: tokens per program, channels per loop step or per program in
+# pre_backward_apply) and warps: pre, post and post_backward the fastest setting of `python -m
+# benchmarks.kernel_tiles --size M` on an H100 (docs/benchmarks.md); pre_backward's two kernels
+# chosen on CPU by python -m fused.tools.latency, not yet timed on a GPU. None spills registers on
+# sm_80 or sm_90 (python -m fused.tools.resources; pre_backward_apply only without software
+# pipelining). tl.dot needs 16 or more tokens and channels in the pre kernels.
 TILES = {"pre_kernel": dict(BLOCK_T=64, BLOCK_C=16, num_warps=8),
          "post_kernel": dict(BLOCK_T=4, BLOCK_C=256, num_warps=4),
          "post_backward_kernel": dict(BLOCK_T=8, BLOCK_C=128, num_warps=4),
-         "pre_backward_kernel": dict(BLOCK_T=16, BLOCK_C=16, num_warps=8)}
-# No software pipelining in pre_backward: with triton's default stages it spills registers
-# (python -m fused.tools.resources; docs/benchmarks.md).
-PRE_BACKWARD_STAGES = 1
-# Programs of the backward kernel, each with its own weight-sized partial of grad W: a fixed number,
-# so that the partials cost the same whatever the token count.
-WEIGHT_GRAD_PROGRAMS = 128
+         "pre_backward_reduce_kernel": dict(BLOCK_T=16, BLOCK_C=32, num_warps=8),
+         "pre_backward_apply_kernel": dict(BLOCK_T=16, BLOCK_C=32, num_warps=8, num_stages=1)}
+# Token splits of the backward's apply kernel, each with its own weight-sized partial of grad W: a
+# fixed number, so that the partials cost the same whatever the token count.
+WEIGHT_GRAD_SPLITS = 16
 
 
 # ----------------------------------------------------------------------------------------------
@@ -177,11 +179,10 @@ def _(x, weight, scale, bias, perm_matrices, variant, sinkhorn_iters, bf16_opera
     return _pre_outputs(x, weight, variant)
 
 
-def partial_bytes_per_program(weight, scale, bias):
-    """Bytes one pre_backward program's partials move: its fp32 grad-W partial written by its first
-    token block, re-read by its later ones and read by the sum; its grad scale and grad bias
-    partials written and summed."""
-    return 4 * (3 * weight.numel() + 2 * (scale.numel() + bias.numel()))
+def partial_bytes_per_split(weight):
+    """Bytes one token split's fp32 grad-W partial moves: written once by the apply kernel, read once
+    by the sum."""
+    return 4 * 2 * weight.numel()
 
 
 @torch.library.custom_op("hcfused::connection_pre_backward", mutates_args=())
@@ -191,21 +192,31 @@ def connection_pre_backward(x: torch.Tensor, grad: torch.Tensor, grad_u: torch.T
                             sinkhorn_iters: int, bf16_operands: bool
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad x in x's dtype, grad weight, grad scale, grad bias) of the connection, from the
-    gradient g of its output (grad), grad u and grad h_post (connection_post_backward)."""
+    gradient g of its output (grad), grad u and grad h_post (connection_post_backward): a reduce
+    kernel per token block, then an apply kernel per channel block and token split; grad W, grad
+    scale and grad bias are sums of partials in a fixed order, the same bits on every run."""
     x, grad, grad_u, grad_h_post = (t.contiguous() for t in (x, grad, grad_u, grad_h_post))
-    tokens = x.shape[0]
-    programs = min(WEIGHT_GRAD_PROGRAMS, _cdiv(tokens, TILES["pre_backward_kernel"]["BLOCK_T"]))
+    tokens, n, c = x.shape
     grad_x = torch.empty_like(x)
-    # Every program has a token block (programs <= blocks) and writes its whole slice: no zero fill.
-    grad_weight = weight.new_empty((programs, *weight.shape))
-    grad_scale = scale.new_empty((programs, scale.numel()))
-    grad_bias = bias.new_empty((programs, bias.numel()))
+    reduce_tile, apply_tile = TILES["pre_backward_reduce_kernel"], TILES["pre_backward_apply_kernel"]
+    blocks = _cdiv(tokens, reduce_tile["BLOCK_T"])
+    splits = min(WEIGHT_GRAD_SPLITS, _cdiv(tokens, apply_tile["BLOCK_T"]))
+    # Every reduce program and every apply program (splits <= token blocks) writes its whole slice: no zero fill.
+    grad_weight = weight.new_empty((splits, *weight.shape))
+    grad_scale = scale.new_empty((blocks, scale.numel()))
+    grad_bias = bias.new_empty((blocks, bias.numel()))
     if tokens > 0:
         perms = perm_matrices.contiguous() if perm_matrices.numel() else weight
-        _launch("pre_backward_kernel", (programs,), x.device, x, grad, grad_u, grad_h_post, weight.contiguous(),
-                scale, bias, perms, z, rms_inv, grad_x, grad_weight, grad_scale, grad_bias, tokens, x.shape[2],
-                num_stages=PRE_BACKWARD_STAGES, **TILES["pre_backward_kernel"],
-                **_variant_constexprs(variant, weight, bf16_operands, sinkhorn_iters, x.device))
+        f32 = dict(dtype=torch.float32)
+        grad_z, row_coef = torch.empty_like(z), torch.empty_like(rms_inv)
+        h_pre, h_res = x.new_empty((tokens, n), **f32), x.new_empty((tokens, n, n), **f32)
+        constexprs = _variant_constexprs(variant, weight, bf16_operands, sinkhorn_iters, x.device)
+        _launch("pre_backward_reduce_kernel", (blocks,), x.device, x, grad, grad_u, grad_h_post, scale, bias, perms,
+                z, rms_inv, grad_z, row_coef, h_pre, h_res, grad_scale, grad_bias, tokens, c, **reduce_tile,
+                **{k: v for k, v in constexprs.items() if k != "OPERANDS"})
+        _launch("pre_backward_apply_kernel", (_cdiv(c, apply_tile["BLOCK_C"]), splits), x.device, x, grad, grad_u,
+                weight.contiguous(), grad_z, row_coef, h_pre, h_res, grad_x, grad_weight, tokens, c, **apply_tile,
+                **{k: v for k, v in constexprs.items() if k != "ITERS"})
     return grad_x, grad_weight.sum(0), grad_scale.sum(0).view(scale.shape), grad_bias.sum(0).view(bias.shape)
 
 

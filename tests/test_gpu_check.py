@@ -55,7 +55,9 @@ def test_cpu_dry_run_runs_every_part_and_the_summary_comes_last(tmp_path, capsys
     # the trained mhclite's H_res is exact; hc's is not doubly stochastic at all
     errors = {cell.split()[0]: cell.split()[-1] for cell in rows["train"][4].split("; ") if "sum" in cell}
     assert float(errors["mhclite"]) < 1e-6 < float(errors["hc"])
-    assert rows["kernels"][4].startswith("x copy: hc float32 ")
+    assert rows["kernels"][4].startswith("x copy, us measured / predicted at M: hc float32 ")
+    # every kernel's prediction (python -m fused.tools.latency) is printed beside its time
+    assert all(row["predicted_us_at_m"] > 0 for row in json.loads((out / "kernels.json").read_text())["kernels"]["rows"])
     # the sharded part: one process under torchrun, sharded, with and without activation checkpointing,
     # which recomputes the same forward: the same losses
     for name, _ in gpu_check.SHARDED_RUNS:

@@ -1,21 +1,29 @@
 """Bytes per token per connection of the fused path, counted on CPU in Triton's interpreter.
 
     python -m fused.tools.count_bytes [--json PATH] [--residuals hc,mhc,mhclite] [--stream_dtypes float32,bfloat16]
+    python -m fused.tools.count_bytes --reference      # the reference path (residuals.py), counted the same way
 
 Runs forward and backward of `connection_forward` at n = 4, C = 768 under bf16 autocast with a
-bf16 branch output (as the model runs), with every kernel in Triton's interpreter, and counts:
-  - per kernel launch (seen through ops.launch_hook), the bytes its loads and its stores
-    move, each address once per launch and direction (a read and a write of one address count both);
+bf16 branch output (as the model runs), with every kernel in Triton's interpreter at its shipped
+tile, and counts:
+  - per kernel launch (seen through ops.launch_hook), the bytes its loads and its stores move,
+    each address once per launch and direction ("kernels", unique bytes: a read and a write of one
+    address count both); every load and store as executed, repeats included ("executed"); the load
+    instructions executed ("loads", the serial steps of fused.tools.latency); and the bytes of
+    loads of an address the same program touched before, by reuse distance ("rereads", the input of
+    the L2 model in fused.tools.latency);
   - every aten op that runs outside the kernels (the connection's own torch code, inside the custom
     ops too), its inputs plus its outputs, leaving out views, metadata ops and allocations. The
     branch is a stand-in whose own forward and backward are not counted.
-The per-token figure is the slope between two token counts, so weight-sized traffic (the projection
-weight read by every program, the grad-weight partials and their sum) does not count per token.
-Prints a markdown table; --json writes
-{residual: {stream_dtype: {"kernels": {name: bytes}, "torch": b, "forward": b, "backward": b, "total": b,
-"partials_at_m": b}}}. The grad-W partials (weight-sized, so not in the slope) are counted apart: one
-program's partials are the difference between two programs and one on the same tokens; times the
-model's programs over M's 16,384 tokens per micro-step, they are bytes per token at M.
+The per-token figure is the slope between two token counts (multiples of every tile's tokens), so
+traffic once per launch (the grad-weight partials' sum) does not count per token, and traffic once
+per program (the weight each program reads) does. Prints a markdown table; --json writes
+{residual: {stream_dtype: {"kernels", "executed", "loads": {name: per token}, "rereads": {name:
+{floor(log2(bytes between)): bytes per token}}, "torch", "forward", "backward", "total",
+"executed_total", "partials_at_m"}}}. The grad-W partials (one weight-sized partial per token
+split of the backward's apply kernel, so not in the slopes) are counted apart: one split's
+partial is the difference between two splits and one on the same tokens; times the model's
+splits over M's 16,384 tokens per micro-step, they are bytes per token at M.
 """
 
 import argparse
@@ -39,11 +47,12 @@ from residuals import RESIDUALS  # noqa: E402
 VARIANTS = ("hc", "mhc", "mhclite")
 STREAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 N_STREAMS, WIDTH = 4, 768
-# Two and three blocks of COUNTING_BLOCK_T tokens: the one backward program re-reads its grad-W partial at both.
-TOKEN_COUNTS = (32, 48)
-COUNTING_BLOCK_T = 16
+# Multiples of every kernel's BLOCK_T, so that per-block traffic (the weight read by each program) is in the slopes.
+TOKEN_COUNTS = (64, 128)
+UNIQUE_TOKEN_COUNTS = (32, 48)  # two and three blocks of COUNTING_BLOCK_T: enough for unique bytes
+COUNTING_BLOCK_T = 16  # unique bytes only (UNIQUE_TOKEN_COUNTS, the partials): few interpreted loop trips
 M_TOKENS = 16 * 1024  # tokens per micro-step at M (16 x 1024), for the grad-W partials per token
-PARTIAL_TOKENS = 64  # four blocks: with one or two programs, each has a later block that adds to its partial
+PARTIAL_TOKENS = 64  # four blocks of COUNTING_BLOCK_T: two splits of two blocks each
 ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
 FILLS = {"new_zeros", "new_ones", "new_full", "zeros", "ones", "full", "zeros_like", "ones_like", "full_like"}
 
@@ -61,31 +70,47 @@ def distinct(values):
 
 
 class KernelBytes:
-    """Counts the bytes of Triton interpreter loads and stores, per launch: `with counter.launch(name):`
-    around a launch adds that launch's unique read and written bytes to counter.bytes[name]."""
+    """Counts Triton interpreter loads and stores, per launch: `with counter.launch(name):` around a
+    launch adds to counter.bytes[name] that launch's unique read and written bytes (each address once
+    per direction), to counter.executed[name] every load's and store's bytes as executed (repeats
+    included), to counter.loads[name] the load instructions executed (all programs), and to
+    counter.rereads[name][d] the bytes of loads of an address the same program had touched before,
+    d = floor(log2(bytes the program moved in between)), for the L2 model (reread_misses)."""
 
     def __init__(self):
         self.bytes = collections.Counter()
-        self._launch = None  # {"read": [(addresses, itemsize)], "write": [...]} of the launch running
+        self.executed = collections.Counter()
+        self.loads = collections.Counter()
+        self.rereads = collections.defaultdict(collections.Counter)
+        self._launch = None  # [(direction, addresses, itemsize, program)] of the launch running, in order
 
-    def _record(self, direction, ptrs, mask):
+    def _record(self, direction, ptrs, mask, program):
         if self._launch is None:
             raise RuntimeError("a load or store outside a counted launch")
         addresses = ptrs.data[np.broadcast_to(mask.data, ptrs.data.shape)]
-        self._launch[direction].append((addresses, ptrs.get_element_ty().primitive_bitwidth // 8))
+        self._launch.append((direction, addresses, ptrs.get_element_ty().primitive_bitwidth // 8, program))
 
     @contextlib.contextmanager
     def launch(self, name):
-        self._launch = {"read": [], "write": []}
+        self._launch = []
         try:
             yield
         finally:
             launch, self._launch = self._launch, None
-        for accesses in launch.values():
+        for direction in ("read", "write"):
             by_size = collections.defaultdict(list)
-            for addresses, itemsize in accesses:
-                by_size[itemsize].append(addresses)
+            for access_direction, addresses, itemsize, _ in launch:
+                if access_direction == direction:
+                    by_size[itemsize].append(addresses)
             self.bytes[name] += sum(distinct(np.concatenate(a)) * size for size, a in by_size.items())
+        self.executed[name] += sum(addresses.size * itemsize for _, addresses, itemsize, _ in launch)
+        self.loads[name] += sum(direction == "read" for direction, *_ in launch)
+        by_program = collections.defaultdict(list)
+        for access in launch:
+            by_program[access[3]].append(access)
+        for accesses in by_program.values():
+            self.rereads[name].update(reuse_distances(accesses))
+
 
     @contextlib.contextmanager
     def patched(self):
@@ -97,11 +122,11 @@ class KernelBytes:
 
         # The trailing cache and eviction arguments differ between triton versions: passed on as they come.
         def create_masked_load(self, ptrs, mask, *rest):
-            counter._record("read", ptrs, mask)
+            counter._record("read", ptrs, mask, self.grid_idx)
             return masked_load(self, ptrs, mask, *rest)
 
         def create_masked_store(self, ptrs, value, mask, *rest):
-            counter._record("write", ptrs, mask)
+            counter._record("write", ptrs, mask, self.grid_idx)
             return masked_store(self, ptrs, value, mask, *rest)
 
         def refuse_atomic(self, *args, **kwargs):
@@ -123,6 +148,28 @@ class KernelBytes:
         finally:
             for name, fn in saved.items():
                 setattr(InterpreterBuilder, name, fn)
+
+
+def reuse_distances(accesses):
+    """{floor(log2(distance)): bytes} over the loads among one program's `accesses` (in order) of an
+    address an earlier access touched; distance = the bytes of the accesses between the two (at
+    least 1)."""
+    sizes = np.array([addresses.size * itemsize for _, addresses, itemsize, _ in accesses], dtype=np.int64)
+    moved_before = np.concatenate([[0], np.cumsum(sizes)])
+    index = np.concatenate([np.full(a.size, k, dtype=np.int64) for k, (_, a, _, _) in enumerate(accesses)])
+    addresses = np.concatenate([a.astype(np.int64) for _, a, _, _ in accesses])
+    order = np.lexsort((index, addresses))
+    addresses, index = addresses[order], index[order]
+    again = (addresses[1:] == addresses[:-1]) & (index[1:] != index[:-1])
+    first, second = index[:-1][again], index[1:][again]
+    is_read = np.array([direction == "read" for direction, *_ in accesses])
+    itemsize = np.array([size for _, _, size, _ in accesses], dtype=np.int64)
+    reread = is_read[second]
+    first, second = first[reread], second[reread]
+    between = np.maximum(moved_before[second] - moved_before[first + 1], 1)
+    buckets = np.floor(np.log2(between)).astype(np.int64)
+    counts = np.bincount(buckets, weights=itemsize[second]) if buckets.size else np.zeros(0)
+    return {int(b): int(v) for b, v in enumerate(counts) if v}
 
 
 def tensor_bytes(t):
@@ -153,7 +200,7 @@ class TorchBytes(TorchDispatchMode):
                 return OPDEFS[func._schema.name]._init_fn(*args, **kwargs)
         out = func(*args, **kwargs)
         name = func.overloadpacket.__name__
-        if func.is_view or name in ALLOCATIONS or name in ("detach", "alias", "lift_fresh"):
+        if func.is_view or name in ALLOCATIONS or name in ("detach", "alias", "lift_fresh", "_unsafe_view"):
             return out
         moved = out if name in FILLS else (args, kwargs, out)  # a fill reads nothing of its template
         tensors = [t for t in torch.utils._pytree.tree_leaves(moved) if isinstance(t, torch.Tensor)]
@@ -178,36 +225,67 @@ class StandInBranch(torch.autograd.Function):
 
 
 def count_connection(residual, stream_dtype, tokens, n=N_STREAMS, width=WIDTH):
-    """{"forward"/"backward": {"kernels": Counter, "torch": bytes}} of one forward and backward."""
+    """{"forward"/"backward": {"kernels", "executed", "loads": Counter by kernel, "rereads": {kernel:
+    Counter}, "torch": bytes}} of one forward and backward."""
     generator = torch.Generator().manual_seed(0)
     module = RESIDUALS[residual](width, n, 1)
     x = torch.randn(tokens, 1, n, width, generator=generator).to(stream_dtype).requires_grad_()
     grad = torch.randn(tokens, 1, n, width, generator=generator).to(stream_dtype)
     phases = {}
-    kernels = KernelBytes()
-    with kernels.patched():
-        for phase in ("forward", "backward"):
-            kernels.bytes = collections.Counter()
-            with TorchBytes() as torch_bytes:
-                if phase == "forward":
-                    with torch.autocast("cpu", dtype=torch.bfloat16):
-                        out = fused.connection_forward(module, x, StandInBranch.apply)
-                else:
-                    torch.autograd.grad(out, [x, *module.parameters()], grad)
-            phases[phase] = {"kernels": kernels.bytes, "torch": torch_bytes.bytes}
+    for phase in ("forward", "backward"):
+        kernels = KernelBytes()
+        with kernels.patched(), TorchBytes() as torch_bytes:
+            if phase == "forward":
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    out = fused.connection_forward(module, x, StandInBranch.apply)
+            else:
+                torch.autograd.grad(out, [x, *module.parameters()], grad)
+        phases[phase] = {"kernels": kernels.bytes, "executed": kernels.executed, "loads": kernels.loads,
+                         "rereads": kernels.rereads, "torch": torch_bytes.bytes}
     return phases
 
 
+def reference_bytes_per_token(residual, stream_dtype, token_counts=TOKEN_COUNTS):
+    """The reference path (residuals.py, as model.py runs it without the kernels) counted the same
+    way: every aten op of one forward and backward under bf16 autocast, eager, its inputs plus its
+    outputs, per token (slope between token_counts). Inductor fuses chains of pointwise ops into
+    one kernel, so the compiled path moves less than this. Returns {"forward", "backward", "total":
+    bytes, "ops": {aten op: bytes}} per token."""
+    counts = {}
+    for tokens in token_counts:
+        generator = torch.Generator().manual_seed(0)
+        module = RESIDUALS[residual](WIDTH, N_STREAMS, 1)
+        x = torch.randn(tokens, 1, N_STREAMS, WIDTH, generator=generator).to(stream_dtype).requires_grad_()
+        grad = torch.randn(tokens, 1, N_STREAMS, WIDTH, generator=generator).to(stream_dtype)
+        with TorchBytes() as forward:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = module(x, StandInBranch.apply)
+        with TorchBytes() as backward:
+            torch.autograd.grad(out, [x, *module.parameters()], grad)
+        ops_bytes = forward.ops + backward.ops
+        counts[tokens] = dict(forward=forward.bytes, backward=backward.bytes, ops=ops_bytes)
+    small, large = (counts[t] for t in token_counts)
+    tokens = token_counts[1] - token_counts[0]
+    entry = {phase: (large[phase] - small[phase]) / tokens for phase in ("forward", "backward")}
+    entry["total"] = entry["forward"] + entry["backward"]
+    entry["ops"] = {name: (large["ops"][name] - small["ops"][name]) / tokens
+                    for name in sorted(large["ops"], key=large["ops"].get, reverse=True)}
+    return entry
+
+
 @contextlib.contextmanager
-def counting_setup(programs=1):
-    """The interpreter for CPU tensors; `programs` backward programs (one: the partials of grad W have
-    the same size at both token counts, and how many there are does not change bytes per token); one
-    channel block over all of C, for the fewest interpreted loop trips (each address counts once
-    whatever the tiles), and COUNTING_BLOCK_T tokens per program in every kernel."""
+def counting_setup(splits=1, shipped_tiles=True):
+    """The interpreter for CPU tensors and `splits` grad-W token splits (one: the partials of grad W
+    have the same size at both token counts, and how many there are does not change bytes per
+    token). shipped_tiles False: one
+    channel block over all of C and COUNTING_BLOCK_T tokens per program in every kernel, for the
+    fewest interpreted loop trips when only unique bytes matter (each address counts once whatever
+    the tiles)."""
     fix_scalar_index()
-    tiles = {kernel: dict(tile, BLOCK_T=COUNTING_BLOCK_T, BLOCK_C=1 << (WIDTH - 1).bit_length())
-             for kernel, tile in ops.TILES.items()}
-    settings = [(fused, "INTERPRET_ON_CPU", True), (ops, "WEIGHT_GRAD_PROGRAMS", programs), (ops, "TILES", tiles)]
+    tiles = dict(ops.TILES) if shipped_tiles else {
+        kernel: dict(tile, BLOCK_T=COUNTING_BLOCK_T, BLOCK_C=1 << (WIDTH - 1).bit_length())
+        for kernel, tile in ops.TILES.items()}
+    settings = [(fused, "INTERPRET_ON_CPU", True), (ops, "WEIGHT_GRAD_SPLITS", splits), (ops, "TILES", tiles)]
     saved = [getattr(module, name) for module, name, _ in settings]
     for module, name, value in settings:
         setattr(module, name, value)
@@ -223,61 +301,92 @@ def phase_bytes(counted):
 
 
 def partial_bytes(residual, stream_dtype):
-    """Bytes one backward program's partials (grad W, grad scale, grad bias) move: the backward of
-    PARTIAL_TOKENS tokens with two programs minus with one."""
+    """Bytes one grad-W token split's partial moves: the backward of PARTIAL_TOKENS tokens with two
+    splits minus with one."""
     counts = {}
-    for programs in (1, 2):
-        with counting_setup(programs):
-            counts[programs] = phase_bytes(count_connection(residual, stream_dtype, PARTIAL_TOKENS)["backward"])
+    for splits in (1, 2):
+        with counting_setup(splits, shipped_tiles=False):
+            counts[splits] = phase_bytes(count_connection(residual, stream_dtype, PARTIAL_TOKENS)["backward"])
     return counts[2] - counts[1]
 
 
 def partials_per_token_at_m(residual, stream_dtype):
-    """Bytes per token of the partials at M's tokens per micro-step, with the model's programs."""
-    programs = min(ops.WEIGHT_GRAD_PROGRAMS, M_TOKENS // ops.TILES["pre_backward_kernel"]["BLOCK_T"])
-    return programs * partial_bytes(residual, stream_dtype) / M_TOKENS
+    """Bytes per token of the grad-W partials at M's tokens per micro-step, with the model's splits."""
+    splits = min(ops.WEIGHT_GRAD_SPLITS, M_TOKENS // ops.TILES["pre_backward_apply_kernel"]["BLOCK_T"])
+    return splits * partial_bytes(residual, stream_dtype) / M_TOKENS
 
 
-def bytes_per_token(residual, stream_dtype):
-    """The JSON entry of one variant and stream dtype: per-token slopes between TOKEN_COUNTS."""
-    with counting_setup():
-        small, large = (count_connection(residual, stream_dtype, t) for t in TOKEN_COUNTS)
-    tokens = TOKEN_COUNTS[1] - TOKEN_COUNTS[0]
-    entry = {"kernels": {}, "torch": 0.0}
+def bytes_per_token(residual, stream_dtype, shipped_tiles=True):
+    """The JSON entry of one variant and stream dtype: per-token slopes between TOKEN_COUNTS at the
+    shipped tiles: unique bytes per kernel ("kernels"), executed bytes, load instructions, and
+    re-read bytes by reuse distance ("rereads": {kernel: {floor(log2(bytes between)): bytes}).
+    shipped_tiles False: the unique bytes only, from the fewest interpreted loop trips."""
+    token_counts = TOKEN_COUNTS if shipped_tiles else UNIQUE_TOKEN_COUNTS
+    with counting_setup(shipped_tiles=shipped_tiles):
+        small, large = (count_connection(residual, stream_dtype, t) for t in token_counts)
+    tokens = token_counts[1] - token_counts[0]
+    slope = lambda big, little: (big - little) / tokens  # noqa: E731
+    keys = ("kernels", "executed", "loads") if shipped_tiles else ("kernels",)
+    entry = {key: {} for key in keys} | {"torch": 0.0}
     for phase in ("forward", "backward"):
-        kernels = {name: (large[phase]["kernels"][name] - small[phase]["kernels"][name]) / tokens
-                   for name in large[phase]["kernels"]}
-        torch_share = (large[phase]["torch"] - small[phase]["torch"]) / tokens
-        entry["kernels"].update(kernels)
+        names = list(large[phase]["kernels"])
+        for key in keys:
+            entry[key].update({name: slope(large[phase][key][name], small[phase][key][name]) for name in names})
+        if shipped_tiles:
+            for name in names:
+                big, little = large[phase]["rereads"][name], small[phase]["rereads"][name]
+                by_distance = {str(d): slope(big[d], little[d]) for d in sorted(set(big) | set(little))}
+                entry.setdefault("rereads", {})[name] = {d: b for d, b in by_distance.items() if b}
+        torch_share = slope(large[phase]["torch"], small[phase]["torch"])
         entry["torch"] += torch_share
-        entry[phase] = sum(kernels.values()) + torch_share
+        entry[phase] = sum(entry["kernels"][name] for name in names) + torch_share
     entry["total"] = entry["forward"] + entry["backward"]
+    if shipped_tiles:
+        entry["executed_total"] = sum(entry["executed"].values()) + entry["torch"]
     return entry
 
 
-def count_all(residuals=VARIANTS, stream_dtypes=tuple(STREAM_DTYPES)):
+def count_all(residuals=VARIANTS, stream_dtypes=tuple(STREAM_DTYPES), shipped_tiles=True):
     """{residual: {stream dtype: entry}}; each entry also has partials_at_m, the grad-W partials per
     token at M (weight-sized, so outside the slopes; fp32 whatever the streams, so counted once per
     variant, with fp32 streams)."""
     counts = {}
     for residual in residuals:
         partials = partials_per_token_at_m(residual, torch.float32)
-        counts[residual] = {name: dict(bytes_per_token(residual, STREAM_DTYPES[name]), partials_at_m=partials)
+        counts[residual] = {name: dict(bytes_per_token(residual, STREAM_DTYPES[name], shipped_tiles=shipped_tiles),
+                                       partials_at_m=partials)
                             for name in stream_dtypes}
     return counts
 
 
-def markdown(counts):
+def reference_markdown(residuals, stream_dtypes):
+    """The reference path's bytes per token (reference_bytes_per_token) against the floor, with the
+    aten ops that move the most."""
     kb = lambda b: f"{b / 1000:.1f}"  # noqa: E731
+    lines = ["| residual | streams | forward KB | backward KB | total KB | x floor | largest aten ops KB |",
+             "|---|---|---|---|---|---|---|"]
+    for residual in residuals:
+        for name in stream_dtypes:
+            e = reference_bytes_per_token(residual, STREAM_DTYPES[name])
+            top = ", ".join(f"{op} {kb(b)}" for op, b in list(e["ops"].items())[:4])
+            lines.append(f"| {residual} | {name} | {kb(e['forward'])} | {kb(e['backward'])} | {kb(e['total'])} | "
+                         f"{e['total'] / budget(STREAM_DTYPES[name]):.2f} | {top} |")
+    return "\n".join(lines)
+
+
+def markdown(counts):
+    kb = lambda b: "-" if b is None else f"{b / 1000:.1f}"  # noqa: E731
     kernel_names = list(dict.fromkeys(k for per_dtype in counts.values() for e in per_dtype.values()
                                       for k in e["kernels"]))  # in launch order
-    header = ["residual", "streams", "forward KB", "backward KB", "total KB", "floor KB",
-              *[f"{k} KB" for k in kernel_names], "torch KB", "grad-W partials at M KB"]
+    header = ["residual", "streams", "forward KB", "backward KB", "total KB", "floor KB", "executed KB",
+              *[f"{k.removesuffix('_kernel')} KB, executed" for k in kernel_names], "torch KB",
+              "grad-W partials at M KB"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for residual, per_dtype in counts.items():
         for dtype_name, e in per_dtype.items():
             row = [residual, dtype_name, kb(e["forward"]), kb(e["backward"]), kb(e["total"]),
-                   kb(budget(STREAM_DTYPES[dtype_name])), *[kb(e["kernels"].get(k, 0)) for k in kernel_names],
+                   kb(budget(STREAM_DTYPES[dtype_name])), kb(e.get("executed_total")),
+                   *[f"{kb(e['kernels'].get(k, 0))}, {kb(e.get('executed', {}).get(k))}" for k in kernel_names],
                    kb(e["torch"]), kb(e["partials_at_m"])]
             lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
@@ -297,6 +406,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", help="also write the counts to this JSON file")
     parser.add_argument("--residuals", type=comma_list(VARIANTS), default=VARIANTS)
+    parser.add_argument("--reference", action="store_true",
+                        help="count the reference path (residuals.py's aten ops, eager) instead of the kernels")
     parser.add_argument("--stream_dtypes", type=comma_list(tuple(STREAM_DTYPES)), default=tuple(STREAM_DTYPES))
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -305,9 +416,15 @@ def main(argv=None):
     problem = version_problem(triton.__version__)
     if problem:
         parser.error(problem)
+    if args.reference:
+        print(f"Bytes per token per connection of the reference path, eager aten ops (inputs + outputs), n = "
+              f"{N_STREAMS}, C = {WIDTH}, bf16 autocast (1 KB = 1000 bytes; floor 7 nCs + 16 C):\n")
+        print(reference_markdown(args.residuals, args.stream_dtypes))
+        return
     counts = count_all(args.residuals, args.stream_dtypes)
     print(f"Bytes per token per connection, n = {N_STREAMS}, C = {WIDTH}, bf16 autocast, bf16 branch output "
-          f"(1 KB = 1000 bytes; floor 7 nCs + 16 C):\n")
+          f"(1 KB = 1000 bytes; floor 7 nCs + 16 C); unique (each address once per launch) and executed "
+          f"(every load and store at the shipped tiles):\n")
     print(markdown(counts))
     if args.json:
         with open(args.json, "w") as f:

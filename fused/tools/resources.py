@@ -32,10 +32,10 @@ import tempfile
 import time
 import warnings
 
-from benchmarks.common import fmt, markdown_table
 from fused import TRITON_AVAILABLE, ops
 
 from .launches import connection_launches, jit_specialisation
+from .tables import fmt, markdown_table
 
 RESIDUALS = ("hc", "mhc", "mhclite")
 STREAM_DTYPES = ("float32", "bfloat16")

@@ -51,6 +51,42 @@ def test_kernel_counter_counts_each_address_once_per_launch_and_direction():
     assert torch.equal(dst[:37].float(), torch.full((37,), 2.0))
 
 
+@triton.jit
+def read_apart_kernel(src_ptr, pad_ptr, dst_ptr, BLOCK: tl.constexpr, PAD: tl.constexpr):
+    """Reads src, then PAD elements of pad, then src again (the re-read), and writes dst."""
+    index = tl.arange(0, BLOCK)
+    first = tl.load(src_ptr + index)
+    between = tl.sum(tl.load(pad_ptr + tl.arange(0, PAD)))
+    again = tl.load(src_ptr + index)
+    tl.store(dst_ptr + index, first + again + between)
+
+
+def test_executed_bytes_count_repeats_and_rereads_know_their_distance():
+    counter = count_bytes.KernelBytes()
+    src, dst = torch.ones(37), torch.zeros(37, dtype=torch.bfloat16)
+    with counter.patched():
+        with counter.launch("copy"):
+            copy_twice_kernel[(3,)](src, dst, 37, BLOCK=16)
+    # src read twice, dst written once: executed / unique is (2 * 4 + 2) / (4 + 2)
+    assert counter.executed["copy"] == 2 * 37 * 4 + 37 * 2
+    assert counter.executed["copy"] / counter.bytes["copy"] == pytest.approx(10 / 6)
+    assert counter.loads["copy"] == 2 * 3  # two loads in each of three programs
+    assert sum(counter.rereads["copy"].values()) == 37 * 4  # nothing in between: distance 1, bucket 0
+    assert set(counter.rereads["copy"]) == {0}
+
+    counter = count_bytes.KernelBytes()
+    src, pad, dst = torch.ones(16), torch.ones(256), torch.zeros(16)
+    with counter.patched():
+        with counter.launch("apart"):
+            read_apart_kernel[(4,)](src, pad, dst, BLOCK=16, PAD=256)  # four programs read the same src
+    assert counter.bytes["apart"] == 16 * 4 + 256 * 4 + 16 * 4
+    assert counter.executed["apart"] == 4 * (2 * 16 * 4 + 256 * 4 + 16 * 4)
+    assert counter.loads["apart"] == 4 * 3
+    # Within a program, src comes back after the 1024 bytes of pad: distance 2^10; programs never
+    # count each other's reads (nor pad and dst, touched once per program).
+    assert counter.rereads["apart"] == {10: 4 * 16 * 4}
+
+
 def test_torch_counter_counts_inputs_and_outputs_but_not_views_or_allocations():
     a, b = torch.ones(10), torch.ones(10, dtype=torch.float64)
     with count_bytes.TorchBytes() as counter:
@@ -62,22 +98,39 @@ def test_torch_counter_counts_inputs_and_outputs_but_not_views_or_allocations():
     assert counter.bytes == 40 + 80 + 80 + 4
 
 
+def test_the_reference_path_is_counted_op_by_op():
+    """residuals.py's connection under bf16 autocast, its aten ops counted the same way: more than
+    the fused path's floor, and x's cast to bf16 for the projection GEMM among its ops."""
+    entry = count_bytes.reference_bytes_per_token("mhclite", torch.float32, token_counts=(16, 32))
+    floor = count_bytes.budget(torch.float32)
+    assert entry["total"] == pytest.approx(entry["forward"] + entry["backward"]) and entry["total"] > floor
+    assert entry["total"] == pytest.approx(sum(entry["ops"].values()))
+    stream = count_bytes.N_STREAMS * count_bytes.WIDTH * 4
+    assert entry["ops"]["_to_copy"] >= stream * 6 // 4  # x (fp32) read and written as bf16, at least once
+
+
 @pytest.fixture(scope="module")
 def counts():
-    return count_bytes.count_all()
+    """Unique bytes of every variant and stream dtype, from the fewest interpreted loop trips."""
+    return count_bytes.count_all(shipped_tiles=False)
 
 
 @pytest.mark.parametrize("stream_dtype", list(count_bytes.STREAM_DTYPES))
 @pytest.mark.parametrize("residual", count_bytes.VARIANTS)
-def test_bytes_per_token_within_the_floor(counts, residual, stream_dtype):
+def test_bytes_per_token_within_the_two_pass_budget(counts, residual, stream_dtype):
+    """The forward within its share of the floor (3 nCs and the floor's 16 C of vectors); the backward's
+    second pass re-reads x and g (2 nCs more than the floor's 4 nCs): in all at most 1.3 x the floor."""
     entry = counts[residual][stream_dtype]
     floor = count_bytes.budget(count_bytes.STREAM_DTYPES[stream_dtype])
-    assert entry["total"] <= floor, f"{residual} {stream_dtype}: {entry['total']:.0f} > {floor} bytes per token"
-    assert set(entry["kernels"]) == {"pre_kernel", "post_kernel", "post_backward_kernel", "pre_backward_kernel"}
+    stream = count_bytes.N_STREAMS * count_bytes.WIDTH * torch.finfo(count_bytes.STREAM_DTYPES[stream_dtype]).bits // 8
+    assert entry["forward"] <= 3 * stream + 16 * count_bytes.WIDTH, f"{residual} {stream_dtype}: {entry['forward']:.0f}"
+    assert entry["backward"] <= 6 * stream + 16 * count_bytes.WIDTH, f"{residual} {stream_dtype}: {entry['backward']:.0f}"
+    assert entry["total"] <= 1.3 * floor, f"{residual} {stream_dtype}: {entry['total']:.0f} > 1.3 x {floor} bytes per token"
+    assert set(entry["kernels"]) == {"pre_kernel", "post_kernel", "post_backward_kernel", "pre_backward_reduce_kernel",
+                                     "pre_backward_apply_kernel"}
     assert entry["total"] == pytest.approx(entry["forward"] + entry["backward"])
     assert entry["forward"] + entry["backward"] == pytest.approx(sum(entry["kernels"].values()) + entry["torch"])
     # The floor's own terms: x read twice and x_next written once forward, 4 full passes backward.
-    stream = count_bytes.N_STREAMS * count_bytes.WIDTH * torch.finfo(count_bytes.STREAM_DTYPES[stream_dtype]).bits // 8
     assert entry["forward"] >= 3 * stream and entry["backward"] >= 4 * stream
 
 
@@ -106,15 +159,46 @@ def test_the_kernel_bytes_file_the_gpu_check_carries_is_a_fresh_count(counts):
                 assert carried[residual][dtype][key] == pytest.approx(entry[key]), (residual, dtype, key)
 
 
+@pytest.mark.parametrize("residual, stream_dtype", [("hc", "float32"), ("mhclite", "bfloat16")])
+def test_the_executed_bytes_in_the_kernel_bytes_file_are_a_fresh_count(residual, stream_dtype, counts):
+    """Executed bytes, load instructions and re-reads at the shipped tiles (what fused.tools.latency
+    reads), for hc's and the manifold variants' code, each stream dtype once; the unique bytes of the
+    same count agree with the quick one."""
+    carried = bench_kernels.read_kernel_bytes(bench_kernels.KERNEL_BYTES)[residual][stream_dtype]
+    fresh = count_bytes.bytes_per_token(residual, count_bytes.STREAM_DTYPES[stream_dtype])
+    assert fresh["kernels"] == pytest.approx(counts[residual][stream_dtype]["kernels"])
+    for key in ("executed", "loads", "executed_total"):
+        assert carried[key] == pytest.approx(fresh[key]), key
+    assert carried["rereads"].keys() == fresh["rereads"].keys()
+    for kernel, by_distance in fresh["rereads"].items():
+        assert carried["rereads"][kernel] == pytest.approx(by_distance), kernel
+    for kernel, unique in fresh["kernels"].items():
+        assert fresh["executed"][kernel] >= unique, kernel
+
+
+def test_the_backward_kernels_execute_little_beyond_their_unique_bytes():
+    """No weight-sized partial re-read per token block: the pre side's backward kernels execute at
+    most 1.15 x the bytes they touch (the rest: each channel block's per-token coefficients and its
+    weight slice), where the single kernel they replaced executed 3.5 x. From the carried file,
+    which test_the_executed_bytes_in_the_kernel_bytes_file_are_a_fresh_count keeps fresh."""
+    carried = bench_kernels.read_kernel_bytes(bench_kernels.KERNEL_BYTES)
+    backward = ("pre_backward_reduce_kernel", "pre_backward_apply_kernel")
+    for residual, per_dtype in carried.items():
+        for stream_dtype, entry in per_dtype.items():
+            executed = sum(entry["executed"][k] for k in backward)
+            unique = sum(entry["kernels"][k] for k in backward)
+            assert executed <= 1.15 * unique, (residual, stream_dtype, executed, unique)
+
+
 @pytest.mark.parametrize("residual", count_bytes.VARIANTS)
-def test_grad_weight_partials_are_written_re_read_and_summed_once(counts, residual):
-    """Each backward program writes its partials of grad W, grad scale and grad bias once (no zero
-    fill), re-reads its grad-W partial once for its later token blocks, and the sum reads them once:
-    at M's tokens per micro-step that is partials_at_m."""
+def test_grad_weight_partials_are_written_and_summed_once(counts, residual):
+    """Each grad-W token split of the backward's apply kernel writes its partial once (no zero fill,
+    never re-read per token block) and the sum reads it once: at M's tokens per micro-step that is
+    partials_at_m."""
     module = RESIDUALS[residual](count_bytes.WIDTH, count_bytes.N_STREAMS, 1)
-    _, weight, scale, bias, _, _ = fused.packed_parameters(module)
-    programs = min(ops.WEIGHT_GRAD_PROGRAMS, count_bytes.M_TOKENS // ops.TILES["pre_backward_kernel"]["BLOCK_T"])
-    one_program = ops.partial_bytes_per_program(weight, scale, bias)
-    assert one_program == 3 * weight.numel() * 4 + 2 * (scale.numel() + bias.numel()) * 4
+    _, weight, _, _, _, _ = fused.packed_parameters(module)
+    splits = min(ops.WEIGHT_GRAD_SPLITS, count_bytes.M_TOKENS // ops.TILES["pre_backward_apply_kernel"]["BLOCK_T"])
+    one_split = ops.partial_bytes_per_split(weight)
+    assert one_split == 2 * weight.numel() * 4
     for stream_dtype in count_bytes.STREAM_DTYPES:
-        assert counts[residual][stream_dtype]["partials_at_m"] == programs * one_program / count_bytes.M_TOKENS
+        assert counts[residual][stream_dtype]["partials_at_m"] == splits * one_split / count_bytes.M_TOKENS

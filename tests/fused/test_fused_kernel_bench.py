@@ -80,31 +80,31 @@ def test_kernels_table_has_every_launch_with_its_counted_bytes(tmp_path, capsys)
     for dtype, size in (("float32", 4), ("bfloat16", 2)):
         assert kernels["copies"][dtype]["bytes"] == 2 * 4 * 4 * 128 * size
     assert "CPU DRY RUN" in printed if DEVICE == "cpu" else "CPU DRY RUN" not in printed
-    programs = result["programs"]["rows"]
-    assert [(r["stream_dtype"], r["programs"]) for r in programs] == [("float32", 1), ("bfloat16", 1)]
-    assert printed.count("| mhclite |") == len(rows) + len(programs)
+    splits = result["splits"]["rows"]
+    assert [(r["stream_dtype"], r["splits"]) for r in splits] == [("float32", 1), ("bfloat16", 1)]
+    assert printed.count("| mhclite |") == len(rows) + len(splits)
 
 
-def test_the_backward_is_timed_with_each_program_count_capped_at_the_token_blocks(monkeypatch):
-    """48 tokens are three blocks: program counts 1, 2 and 3 (every larger one capped at 3, the
-    default's row), each with its partials' bytes, and the module's program count restored."""
-    monkeypatch.setattr(bench_kernels, "PROGRAM_COUNTS", (1, 2, 16))
-    monkeypatch.setitem(ops.TILES, "pre_backward_kernel", dict(ops.TILES["pre_backward_kernel"], BLOCK_T=16))
+def test_the_backward_is_timed_with_each_split_count_capped_at_the_token_blocks(monkeypatch):
+    """48 tokens are three apply blocks: split counts 1, 2 and 3 (every larger one capped at 3, the
+    default's row), each with its partials' bytes, and the module's split count restored."""
+    monkeypatch.setattr(bench_kernels, "SPLIT_COUNTS", (1, 2, 16))
+    monkeypatch.setitem(ops.TILES, "pre_backward_apply_kernel", dict(ops.TILES["pre_backward_apply_kernel"], BLOCK_T=16))
     args = bench_kernels.resolve(bench_kernels.parse_args(
         ["--size", "tiny", "--device", DEVICE, "--batch_size", "1", "--block_size", "48", "--steps", "1",
          "--warmup", "0", "--residuals", "hc", "--dtype", "float32"]))
-    default = ops.WEIGHT_GRAD_PROGRAMS
-    result = bench_kernels.backward_by_programs(args, torch.device(DEVICE))
-    assert ops.WEIGHT_GRAD_PROGRAMS == default
-    assert result["default_programs"] == 3 and result["tokens"] == 48
+    default = ops.WEIGHT_GRAD_SPLITS
+    result = bench_kernels.backward_by_splits(args, torch.device(DEVICE))
+    assert ops.WEIGHT_GRAD_SPLITS == default
+    assert result["default_splits"] == 3 and result["tokens"] == 48
     rows = result["rows"]
-    assert [(r["stream_dtype"], r["programs"]) for r in rows] == [
-        (dtype, programs) for dtype in ("float32", "bfloat16") for programs in (1, 2, 3)]
+    assert [(r["stream_dtype"], r["splits"]) for r in rows] == [
+        (dtype, splits) for dtype in ("float32", "bfloat16") for splits in (1, 2, 3)]
     module = RESIDUALS["hc"](args.shape["n_embd"], 4, 0)
-    one_program = ops.partial_bytes_per_program(*fused.packed_parameters(module)[1:4])
+    one_split = ops.partial_bytes_per_split(fused.packed_parameters(module)[1])
     for r in rows:
-        assert r["ms"] > 0 and r["partial_bytes_per_token"] == r["programs"] * one_program / 48
-        assert (r["ratio"] == 1) == (r["programs"] == 3)
+        assert r["ms"] > 0 and r["partial_bytes_per_token"] == r["splits"] * one_split / 48
+        assert (r["ratio"] == 1) == (r["splits"] == 3)
 
 
 def test_the_default_kernel_bytes_file_is_count_bytes_json():

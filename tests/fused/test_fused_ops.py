@@ -37,11 +37,11 @@ def interpret_on_cpu(monkeypatch):
 
 @pytest.fixture
 def small_blocks(monkeypatch):
-    """16-token, 16-channel tiles and two backward programs, so that the test sizes need several programs,
+    """16-token, 16-channel tiles and two grad-W token splits, so that the test sizes need several programs,
     loop trips, a program with two token blocks and masked tails (tokens and channels)."""
     for kernel, tile in ops.TILES.items():
         monkeypatch.setitem(ops.TILES, kernel, dict(tile, BLOCK_T=16, BLOCK_C=16))
-    monkeypatch.setattr(ops, "WEIGHT_GRAD_PROGRAMS", 2)
+    monkeypatch.setattr(ops, "WEIGHT_GRAD_SPLITS", 2)
 
 
 def generator(seed):
@@ -149,6 +149,33 @@ def test_connection_pre_backward_matches_torch(residual, x_dtype, bf16_operands,
             assert_close_normwise(g, want, 2e-2, f"grad {name}")
         else:
             torch.testing.assert_close(g.double(), want, rtol=1e-4, atol=1e-5, msg=lambda m: f"grad {name}: {m}")
+
+
+@pytest.mark.parametrize("residual, x_dtype, width", [("mhclite", torch.bfloat16, 768), ("hc", torch.float32, 768),
+                                                     ("mhc", torch.float32, 37)])
+def test_connection_pre_backward_at_the_shipped_tiles_is_deterministic(residual, x_dtype, width, monkeypatch):
+    """At C = 768 and an odd width with the shipped tiles (a partial token block; two grad-W token
+    splits, one of two blocks): the same bits twice, grad W included (its partials are summed in a
+    fixed order), and close to float64."""
+    monkeypatch.setattr(ops, "WEIGHT_GRAD_SPLITS", 2)
+    tokens = 33
+    bf16_operands = x_dtype == torch.bfloat16
+    variant, weight, scale, bias, perms, iters = packed_parameters(residual, width, seed=3)
+    x = randn(tokens, N, width, seed=1, dtype=x_dtype)
+    grad, grad_u, grad_h_post = randn(tokens, N, width, seed=2, dtype=x_dtype), randn(tokens, width, seed=4), \
+        randn(tokens, N, seed=5)
+    _, _, _, _, z, rms_inv, _ = connection_pre(x, weight, scale, bias, perms, variant, iters, bf16_operands)
+    runs = [connection_pre_backward(x, grad, grad_u, grad_h_post, weight, scale, bias, perms, z, rms_inv, variant,
+                                    iters, bf16_operands) for _ in range(2)]
+    assert ops._cdiv(tokens, ops.TILES["pre_backward_apply_kernel"]["BLOCK_T"]) == 3
+    for first, second in zip(*runs):
+        assert torch.equal(first, second)
+    inputs64 = [t.detach().double().requires_grad_() for t in (x, weight, scale, bias)]
+    u, _, h_post, h_res, _, _ = reference_pre(*inputs64, perms, variant, iters, bf16_operands)
+    loss = ((grad_u.double() * u).sum() + (grad_h_post.double() * h_post).sum()
+            + (grad.double() * torch.einsum("mij,mjc->mic", h_res, inputs64[0])).sum())
+    for name, g, want in zip(("x", "weight", "scale", "bias"), runs[0], torch.autograd.grad(loss, inputs64)):
+        assert_close_normwise(g, want, 2e-2 if bf16_operands else 1e-5, f"grad {name}")
 
 
 @pytest.mark.parametrize("y_dtype", [torch.float32, torch.bfloat16])

@@ -1,0 +1,252 @@
+"""A latency and occupancy model of the fused connection kernels on an H100/H200 (sm_90), from a CPU:
+what each kernel at its shipped tile should cost at M, and why.
+
+    python -m fused.tools.latency                       # Markdown: per kernel, then the calibration
+    python -m fused.tools.latency --json out/latency.json
+
+Per kernel launch of one connection at M (16,384 tokens, C = 768, bf16 autocast), from
+  - fused/tools/kernel_bytes.json (python -m fused.tools.count_bytes, Triton's interpreter at the
+    shipped tiles): unique, executed and re-read bytes per token and load instructions per token;
+  - the launch recorded at M without running (launches.py) and compiled for sm_90 on this machine
+    (resources.compile_kernel): registers, stack bytes, warps, CTAs per SM;
+it derives
+  - resident programs: min(grid, CTAs/SM x SMS);
+  - DRAM bytes (the L2 model): unique bytes, plus every re-read (a load of an address its program had
+    touched before) whose reuse distance (bytes the program moved in between) times the resident
+    programs exceeds the L2: the other programs' traffic has evicted it;
+  - serial steps per program: its load instructions, one after another (no pipelining between
+    dependent loop steps), and the waves of programs;
+  - bytes in flight per SM: resident CTAs per SM x executed bytes per load instruction;
+  - predicted time = DRAM bytes / COPY_BANDWIDTH + waves x steps per program x STEP_LATENCY: the
+    bytes, plus the serial round trips of the programs that too few bytes in flight per SM leave
+    unhidden (Little's law); "bound" names the larger of the two.
+COPY_BANDWIDTH is the copy measured on the H200; STEP_LATENCY the one free parameter, fitted
+(least squares on log time) to the GPU times of docs/benchmarks.md, each kept with the CPU profile
+of the kernel that ran (calibration.json: the kernels before pre_backward was split in two),
+against which the tool prints every prediction, with the rank-order agreement. Exit code 2 without triton, ptxas or
+cuobjdump, or with TRITON_INTERPRET=1 (compiling needs triton's compiler).
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+
+from fused import ops
+
+from .launches import connection_launches, jit_specialisation
+from .resources import RESIDUALS, STREAM_DTYPES, compile_kernel, missing_tool
+from .tables import fmt, markdown_table
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+KERNEL_BYTES = os.path.join(HERE, "kernel_bytes.json")
+PREDICTED_TIMES = os.path.join(HERE, "predicted_times.json")  # what python -m benchmarks.kernels prints beside its times
+# The GPU times the model is fitted to, each with the CPU profile of the kernel that ran (calibration.json's note).
+CALIBRATION = os.path.join(HERE, "calibration.json")
+M_BATCH, M_TIME = 16, 1024
+WIDTH = 768
+SMS = 132  # H100 SXM and H200
+L2_BYTES = 50 * 1000 ** 2
+COPY_BANDWIDTH = 4.1e12  # bytes/s, a device-to-device copy of the streams on the H200 (read + written)
+CC = 90
+def dram_bytes_per_token(counts, kernel, resident):
+    """Unique bytes plus the re-reads the L2 model says miss, per token."""
+    misses = sum(b for distance, b in counts["rereads"].get(kernel, {}).items()
+                 if 2 ** (int(distance) + 0.5) * resident > L2_BYTES)  # the bucket's geometric middle
+    return counts["kernels"][kernel] + misses
+
+
+def programs_of(grid):
+    return math.prod(grid)
+
+
+def profile(counts, kernel, grid, resources, tokens):
+    """The model's quantities for one launch: counts (a kernel_bytes.json entry), its grid at M and its
+    sm_90 resources; the time is left to predict() (it needs STEP_LATENCY)."""
+    programs = programs_of(grid)
+    slots = resources["ctas_per_sm"] * SMS
+    resident = min(programs, slots)
+    loads = counts["loads"][kernel]
+    executed = counts["executed"][kernel]
+    return dict(kernel=kernel, grid=list(grid), programs=programs, registers=resources["registers"],
+                stack_bytes=resources["stack_bytes"] + resources["local_bytes"], num_warps=resources["num_warps"],
+                ctas_per_sm=resources["ctas_per_sm"], warps_per_sm=resources["ctas_per_sm"] * resources["num_warps"],
+                resident=resident, waves=programs / resident if programs <= slots else programs / slots,
+                unique_per_token=counts["kernels"][kernel], executed_per_token=executed,
+                dram_per_token=dram_bytes_per_token(counts, kernel, resident),
+                steps_per_program=loads * tokens / programs,
+                in_flight_per_sm=min(resources["ctas_per_sm"], programs / SMS) * executed / loads, tokens=tokens)
+
+
+def predict(p, step_latency):
+    """(predicted seconds, what binds it) of a profile: the DRAM bytes at the copy's bandwidth plus
+    the serial round trips of the programs that the bytes in flight do not hide; bound "latency"
+    when the round trips take longer than the bytes."""
+    dram = p["dram_per_token"] * p["tokens"] / COPY_BANDWIDTH
+    round_trips = max(p["waves"], 1.0) * p["steps_per_program"] * step_latency
+    return dram + round_trips, ("latency" if round_trips > dram else "DRAM")
+
+
+def fit_step_latency(pairs):
+    """The STEP_LATENCY minimising the squared log error of predicted against measured times over
+    pairs [(profile, measured seconds)], by a scan (the model is piecewise in it)."""
+    candidates = [1e-9 * 1.02 ** k for k in range(400)]  # 1 ns to 2.7 us
+
+    def error(latency):
+        return sum(math.log(predict(p, latency)[0] / measured) ** 2 for p, measured in pairs)
+
+    return min(candidates, key=error)
+
+
+def spearman(xs, ys):
+    rank = lambda v: {i: r for r, i in enumerate(sorted(range(len(v)), key=v.__getitem__))}  # noqa: E731
+    rx, ry = rank(xs), rank(ys)
+    n = len(xs)
+    return 1 - 6 * sum((rx[i] - ry[i]) ** 2 for i in range(n)) / (n * (n * n - 1))
+
+
+def m_launches(residual, stream_dtype):
+    """The launches of one connection's forward + backward at M, recorded without running."""
+    return connection_launches(residual, stream_dtype, True, WIDTH, M_BATCH, M_TIME, "cpu", run=False)
+
+
+def compiled(launch, compilations):
+    """sm_90 resources of a recorded launch, each distinct compilation once."""
+    specialisation = jit_specialisation(ops.kernel(launch.kernel), launch.args, launch.constexprs)
+    key = json.dumps([launch.kernel, [sorted(map(list, d.items())) for d in specialisation]], default=str)
+    if key not in compilations:
+        compilations[key] = compile_kernel(launch.kernel, specialisation, CC)
+        if "error" in compilations[key]:
+            raise RuntimeError(f"{launch.kernel} failed to compile: {compilations[key]['error']}")
+    return compilations[key]
+
+
+def model(residuals=RESIDUALS, stream_dtypes=STREAM_DTYPES, kernel_bytes=KERNEL_BYTES, calibration=CALIBRATION):
+    """{"profiles": [profile per residual, stream dtype and kernel launch], "calibration": [measured
+    times with their profiles], "step_latency": fitted seconds} (times not yet predicted)."""
+    with open(kernel_bytes, encoding="utf-8") as f:
+        counts = json.load(f)
+    with open(calibration, encoding="utf-8") as f:
+        calibration_data = json.load(f)
+    rows = calibration_data["rows"]
+    tokens = M_BATCH * M_TIME
+    compilations, profiles = {}, []
+    for residual in residuals:
+        for stream_dtype in stream_dtypes:
+            for launch in m_launches(residual, stream_dtype):
+                p = profile(counts[residual][stream_dtype], launch.kernel, launch.grid,
+                            compiled(launch, compilations), tokens)
+                profiles.append(dict(p, residual=residual, stream_dtype=stream_dtype, phase=launch.phase))
+    step_latency = fit_step_latency([(r["profile"], 1e-6 * r["us"]) for r in rows])
+    return dict(profiles=profiles, calibration=rows, steps=calibration_data["steps"], step_latency=step_latency,
+                compilations=len(compilations))
+
+
+def with_predictions(result):
+    for p in [*result["profiles"], *(r["profile"] for r in result["calibration"])]:
+        seconds, bound = predict(p, result["step_latency"])
+        p.update(predicted_us=1e6 * seconds, bound=bound)
+    measured = [r["us"] for r in result["calibration"]]
+    predicted = [r["profile"]["predicted_us"] for r in result["calibration"]]
+    ratios = [p / m for p, m in zip(predicted, measured)]
+    result["step_predictions"] = step_predictions(result)
+    result["agreement"] = dict(spearman=spearman(predicted, measured), ratio_min=min(ratios),
+                               ratio_max=max(ratios),
+                               ratio_geomean=math.exp(sum(map(math.log, ratios)) / len(ratios)))
+    return result
+
+
+def predicted_times(result):
+    """{residual: {stream dtype: {kernel: predicted us at M}}, "step_latency_ns": ...}."""
+    times = {}
+    for p in result["profiles"]:
+        times.setdefault(p["residual"], {}).setdefault(p["stream_dtype"], {})[p["kernel"]] = round(p["predicted_us"], 1)
+    return dict(times, step_latency_ns=round(1e9 * result["step_latency"], 1))
+
+
+def step_predictions(result):
+    """mhclite's fused training step at M per stream dtype: the measured fused step with the measured
+    connection kernels of the calibration (the kernels then) replaced by the predicted ones of now."""
+    steps, predictions = result["steps"], []
+    for stream_dtype, fused_ms in steps["fused_ms"].items():
+        then = sum(r["us"] for r in result["calibration"] if r["stream_dtype"] == stream_dtype and "tile" not in r)
+        now = sum(p["predicted_us"] for p in result["profiles"]
+                  if p["residual"] == "mhclite" and p["stream_dtype"] == stream_dtype)
+        step_ms = fused_ms + steps["connections_per_step"] * (now - then) / 1000
+        predictions.append(dict(stream_dtype=stream_dtype, connection_us_then=then, connection_us_predicted=now,
+                                step_ms_then=fused_ms, step_ms_predicted=step_ms,
+                                x_res=step_ms / steps["res_ms"], x_reference=step_ms / steps["reference_ms"]))
+    return predictions
+
+
+def steps_table(predictions):
+    rows = [[p["stream_dtype"], fmt(p["connection_us_then"], ",.0f"), fmt(p["connection_us_predicted"], ",.0f"),
+             fmt(p["step_ms_then"], ".1f"), fmt(p["step_ms_predicted"], ".1f"), fmt(p["x_res"], ".2f"),
+             fmt(p["x_reference"], ".2f")] for p in predictions]
+    return markdown_table(["streams", "connection kernels us, measured then", "predicted now",
+                           "fused step ms, measured then", "predicted now", "x res", "x reference path"], rows)
+
+
+def profiles_table(profiles):
+    kb = lambda b: fmt(b / 1000, ".1f")  # noqa: E731
+    rows = [[p["residual"], p["stream_dtype"], p["kernel"].removesuffix("_kernel"), str(p["programs"]),
+             f"{p['registers']}, {p['stack_bytes']}", f"{p['ctas_per_sm']} / {p['warps_per_sm']}",
+             kb(p["unique_per_token"]), kb(p["executed_per_token"]), kb(p["dram_per_token"]),
+             fmt(p["steps_per_program"], ",.0f"), kb(p["in_flight_per_sm"]), fmt(p["predicted_us"], ",.1f"),
+             p["bound"]] for p in profiles]
+    return markdown_table(["residual", "streams", "kernel", "programs", "regs, stack B", "CTAs / warps per SM",
+                           "unique KB/token", "executed KB/token", "DRAM KB/token", "steps/program",
+                           "in flight KB/SM", "predicted us", "bound"], rows)
+
+
+def calibration_table(calibration):
+    rows = []
+    for r in calibration:
+        p = r["profile"]
+        tile = r.get("tile")
+        setting = f"{', '.join(map(str, tile))}; {p['programs']}" if tile else f"then shipped; {p['programs']}"
+        rows.append([r["kernel"].removesuffix("_kernel"), r["stream_dtype"], setting, fmt(r["us"], ",.1f"),
+                     fmt(p["predicted_us"], ",.1f"), fmt(p["predicted_us"] / r["us"], ".2f"), p["bound"]])
+    return markdown_table(["kernel", "streams", "tile; programs", "measured us (H200)", "predicted us",
+                           "predicted / measured", "bound"], rows)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", help="also write every profile and the calibration here")
+    parser.add_argument("--kernel_bytes", default=KERNEL_BYTES)
+    parser.add_argument("--calibration", default=CALIBRATION)
+    parser.add_argument("--predictions", help="also write {residual: {stream dtype: {kernel: predicted us}}} here "
+                        f"(the benchmark reads {os.path.relpath(PREDICTED_TIMES)})")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("error: TRITON_INTERPRET=1 is set; compiling needs triton's compiler: unset it", file=sys.stderr)
+        sys.exit(2)
+    reason = missing_tool()
+    if reason:
+        print(f"error: {reason}", file=sys.stderr)
+        sys.exit(2)
+    result = with_predictions(model(kernel_bytes=args.kernel_bytes, calibration=args.calibration))
+    a = result["agreement"]
+    print(f"Predicted per launch at M ({M_BATCH * M_TIME:,} tokens, C = {WIDTH}, bf16 autocast) on sm_{CC} "
+          f"({SMS} SMs, L2 {L2_BYTES / 1e6:.0f} MB, copy {COPY_BANDWIDTH / 1e12:.1f} TB/s); fitted step latency "
+          f"{1e9 * result['step_latency']:.0f} ns\n")
+    print(profiles_table(result["profiles"]))
+    print(f"\nCalibration against docs/benchmarks.md (mhclite): rank correlation {a['spearman']:.2f}, predicted / "
+          f"measured {a['ratio_min']:.2f} to {a['ratio_max']:.2f} (geometric mean {a['ratio_geomean']:.2f})\n")
+    print(calibration_table(result["calibration"]))
+    print("\nmhclite's fused step at M: the measured step with its connection kernels' measured times replaced by "
+          "the predicted ones\n")
+    print(steps_table(result["step_predictions"]))
+    if args.predictions:
+        with open(args.predictions, "w", encoding="utf-8") as f:
+            json.dump(predicted_times(result), f, indent=1)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""The latency and occupancy model (python -m fused.tools.latency): its L2 model, its two bounds, and
+the calibration's agreement measure, on made-up kernels (the compilation for sm_90 is the resource
+check's: tests/fused/test_fused_resources.py)."""
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fused.tools import latency
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOKENS = 16 * 1024
+
+
+def counts(unique=10_000.0, executed=20_000.0, loads=1.0, rereads=None):
+    return dict(kernels={"k": unique}, executed={"k": executed}, loads={"k": loads}, rereads={"k": rereads or {}})
+
+
+def resources(ctas_per_sm=2, num_warps=8):
+    return dict(registers=100, stack_bytes=0, local_bytes=0, num_warps=num_warps, ctas_per_sm=ctas_per_sm)
+
+
+def test_a_reread_misses_l2_when_its_distance_times_the_resident_programs_exceeds_it():
+    # 2^20 bytes between the reads: 50 programs x ~1.5 MB fit in 50 MB, 264 do not
+    entry = counts(rereads={"20": 4000.0, "10": 1000.0})
+    assert latency.dram_bytes_per_token(entry, "k", resident=30) == 10_000.0
+    assert latency.dram_bytes_per_token(entry, "k", resident=264) == 14_000.0
+    few = latency.profile(entry, "k", (30,), resources(), TOKENS)
+    many = latency.profile(entry, "k", (4096,), resources(), TOKENS)
+    assert (few["resident"], many["resident"]) == (30, 2 * latency.SMS)
+    assert (few["dram_per_token"], many["dram_per_token"]) == (10_000.0, 14_000.0)
+
+
+def test_a_streaming_kernel_is_dram_bound_and_a_serial_one_latency_bound():
+    # one step per program, programs resident at once: the bytes at the copy's bandwidth, plus a round trip
+    streaming = latency.profile(counts(loads=1 / 16), "k", (TOKENS // 16,), resources(ctas_per_sm=8), TOKENS)
+    seconds, bound = latency.predict(streaming, step_latency=500e-9)
+    assert streaming["waves"] == 1 and streaming["steps_per_program"] == 1
+    assert bound == "DRAM" and seconds == pytest.approx(10_000.0 * TOKENS / latency.COPY_BANDWIDTH + 500e-9)
+    # 128 programs of 16,384 x 40 / 128 steps each: the round trips one after another
+    serial = latency.profile(counts(loads=40.0), "k", (128,), resources(ctas_per_sm=1), TOKENS)
+    assert serial["steps_per_program"] == 40 * TOKENS / 128 and serial["waves"] == 1.0
+    seconds, bound = latency.predict(serial, step_latency=500e-9)
+    assert bound == "latency"
+    assert seconds == pytest.approx(10_000.0 * TOKENS / latency.COPY_BANDWIDTH + serial["steps_per_program"] * 500e-9)
+    # the same work in twice the programs, two resident per SM: half the serial steps
+    wider = latency.profile(counts(loads=40.0), "k", (256,), resources(ctas_per_sm=2), TOKENS)
+    assert wider["in_flight_per_sm"] == 2 * serial["in_flight_per_sm"]
+    assert latency.predict(wider, 500e-9)[0] < seconds
+
+
+def test_fit_recovers_the_latency_that_made_the_times():
+    profiles = [latency.profile(counts(loads=loads), "k", (programs,), resources(ctas_per_sm=1), TOKENS)
+                for loads, programs in ((40.0, 128), (10.0, 128), (20.0, 64))]
+    pairs = [(p, latency.predict(p, 700e-9)[0]) for p in profiles]
+    assert latency.fit_step_latency(pairs) == pytest.approx(700e-9, rel=0.02)
+
+
+def test_rank_correlation():
+    assert latency.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == 1
+    assert latency.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == -1
+    assert math.isclose(latency.spearman([1, 2, 3], [1, 3, 2]), 0.5)
+
+
+def test_cli_refuses_the_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-m", "fused.tools.latency"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: TRITON_INTERPRET=1")
+
+
+def test_the_step_prediction_swaps_the_measured_kernels_for_the_predicted_ones():
+    result = dict(steps=dict(connections_per_step=24, res_ms=30.0, reference_ms=60.0, fused_ms={"float32": 100.0}),
+                  calibration=[dict(kernel="a", stream_dtype="float32", us=3000.0),
+                               dict(kernel="a", stream_dtype="float32", tile=(32, 32, 4), us=1000.0)],
+                  profiles=[dict(residual="mhclite", stream_dtype="float32", predicted_us=500.0),
+                            dict(residual="mhclite", stream_dtype="float32", predicted_us=250.0),
+                            dict(residual="hc", stream_dtype="float32", predicted_us=9999.0)])
+    [prediction] = latency.step_predictions(result)
+    assert prediction["connection_us_then"] == 3000.0 and prediction["connection_us_predicted"] == 750.0
+    assert prediction["step_ms_predicted"] == pytest.approx(100.0 - 24 * 2.25)
+    assert prediction["x_res"] == pytest.approx(46.0 / 30.0)
+
+
+def test_the_calibration_file_holds_the_kernels_that_were_timed():
+    """Every GPU time of docs/benchmarks.md the model is fitted to, with a complete profile."""
+    import json
+    with open(latency.CALIBRATION, encoding="utf-8") as f:
+        data = json.load(f)
+    rows = data["rows"]
+    assert len(rows) == 14 and {r["stream_dtype"] for r in rows} == {"float32", "bfloat16"}
+    assert sum(1 for r in rows if "tile" not in r) == 8  # four kernels, two stream dtypes
+    keys = set(latency.profile(counts(), "k", (128,), resources(), TOKENS))
+    assert all(keys <= set(r["profile"]) for r in rows)
+    assert set(data["steps"]["fused_ms"]) == {"float32", "bfloat16"}
