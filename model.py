@@ -36,6 +36,8 @@ def model_shape(size: str) -> dict:
 
 DEFAULT_SIZE = "M"
 STREAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
 def setting(default, help, group="model", choices=None, valid=None, requirement=None, pattern=None,
             training_only=False):
     """A dataclass field that describes itself: `help`, the one line --help prints; `group`, the
@@ -99,7 +101,8 @@ class ModelSettings:
                               "sum", choices=authors.SETTINGS["final_norm"])
     rms_eps: float = setting(RMS_EPS, "inside the connections' RMS root; 0: F.normalize, the authors'",
                              **at_least(0, " (0: the authors' F.normalize)"))
-    sinkhorn_order: str = setting("cols_then_rows", "mhc: rows exact, or columns (the authors')", choices=authors.SETTINGS["sinkhorn_order"])
+    sinkhorn_order: str = setting("cols_then_rows", "mhc: rows exact, or columns (the authors')",
+                                  choices=authors.SETTINGS["sinkhorn_order"])
     init_stream: str = setting("wrapper_mod_n", "the stream a wrapper reads at init; drawn (the authors'): "
                                "seeded with seed", choices=authors.SETTINGS["init_stream"], training_only=True)
     connection_weight_decay: str = setting("projections", "decayed connection parameters; authors: every >= 2-D "
