@@ -1000,6 +1000,7 @@ class StopFlag:
 
     def __init__(self, ddp, device, master, out_dir):
         self.signum = 0
+        self.master = master
         self.request_path = os.path.join(out_dir, STOP_REQUEST_FILE) if master else None
         self.group = None
         if ddp:
@@ -1021,18 +1022,20 @@ class StopFlag:
         signum, requested = flag.tolist()
         return signum or (STOP_REQUESTED if requested else 0)
 
-    def finish(self, stopped):
-        """After the stop's save: the exit code; a served request is removed."""
+    def finish(self, stopped, step, path, log=print):
+        """After the stop's save: says why the run stopped (rank 0) and returns the exit code; a
+        served request is removed."""
+        if self.master:
+            cause = f"the request {STOP_REQUEST_FILE} in the run folder" if stopped == STOP_REQUESTED else \
+                f"signal {stopped}"
+            log(f"stopped by {cause} after step {step}; checkpoint saved to {path}; continue with --init_from=auto "
+                f"(or resume)")
         if stopped != STOP_REQUESTED:
             return 128 + stopped
         if self.request_path is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(self.request_path)
         return 0
-
-    def cause(self, stopped):
-        return (f"the request {STOP_REQUEST_FILE} in the run folder" if stopped == STOP_REQUESTED else
-                f"signal {stopped}")
 
     def restore(self):
         for signum, handler in self.previous.items():

@@ -475,10 +475,7 @@ def train(cfg, world):
                 val_loss = evaluate_and_log(model, eval_sets, state.step, ctx, cfg, world, metrics) if is_eval else None
                 checkpoints.save(state, val_loss, stopping=bool(signum))
                 if signum:
-                    if world.master:
-                        log(f"stopped by {stop.cause(signum)} after step {state.step}; checkpoint saved to "
-                            f"{checkpoints.path}; continue with --init_from=auto (or resume)")
-                    return stop.finish(signum)
+                    return stop.finish(signum, state.step, checkpoints.path, log)
                 window_start = time.perf_counter()
         checkpoints.finish(state)
         return 0
