@@ -443,9 +443,13 @@ def start_sharded_save(path, model, optimizer, run_state, keep=1, group=None, st
     return save
 
 
+STAGER_REUSE_TORCH = (2, 13)  # before it, DefaultStager closes itself after one stage (torch 2.11 does)
+
+
 def new_stager(device):
     """DCP's stager for asynchronous saves: it keeps the CPU copy of each tensor from one save to
-    the next (allocating it anew each time costs more than the copy), pinned for a GPU."""
+    the next (allocating it anew each time costs more than the copy), pinned for a GPU. Before
+    STAGER_REUSE_TORCH a stager serves one save: the manager makes one per save there."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     # by position, as async_save builds its own (the last field's name differs between torch versions):
     # pinned memory, shared memory, staging in a thread, non-blocking copies
@@ -872,6 +876,9 @@ class CheckpointManager:
         self.wait()  # the save before this one
         error = None
         try:
+            if self.stager is not None and torch.__version__ < STAGER_REUSE_TORCH:
+                self.stager.close()
+                self.stager = new_stager(self.world.device)
             if self.world.sharded:
                 self.in_flight = start_sharded_save(self.path, state.model, state.optimizer, run_state,
                                                     self.cfg.keep_checkpoints, self.group, self.stager)

@@ -378,10 +378,14 @@ def test_settings_the_sharded_mode_cannot_serve_are_one_line(data_dir, tmp_path,
 
 
 @pytest.mark.slow
-def test_a_sharded_save_writes_while_training_goes_on(runs, data_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("stager", ["reused", "one per save"])
+def test_a_sharded_save_writes_while_training_goes_on(runs, data_dir, tmp_path, monkeypatch, stager):
     """The sharded save is asynchronous: the step-0 save's shards are written only once step 1 has
     begun (a synchronous save would wait here for the timeout), and the run still trains as the
-    one-process run does, every checkpoint complete."""
+    one-process run does, every checkpoint complete; with DCP's stager kept from save to save, and
+    with a new one per save, as torch versions whose stager closes itself after one save need."""
+    if stager == "one per save":
+        monkeypatch.setattr(checkpoint, "STAGER_REUSE_TORCH", (99,))
     stepped, overlapped = threading.Event(), []
     real_write, real_step = dcp.FileSystemWriter.write_data, train.train_step
 

@@ -67,7 +67,8 @@ class Job:
         self.script, self.args, self.options, self.log_dir = script, args, options, log_dir
         self.submit_dir = submit_dir
         self.job_id, self.restart_count, self.env = job_id, restart_count, env
-        environment = dict(env, PATH=f"{BIN}:{env['PATH']}", SLURM_STANDIN_LOG=str(log_dir),
+        path = f"{BIN}:{env['PATH']}"
+        environment = dict(env, PATH=path, SLURM_STANDIN_PATH=path, SLURM_STANDIN_LOG=str(log_dir),
                            SLURM_JOB_ID=str(job_id), SLURM_JOB_NAME=options["job-name"],
                            SLURM_JOB_NODELIST=options["nodelist"], SLURM_JOB_NUM_NODES=options["nodes"],
                            SLURM_NNODES=options["nodes"], SLURM_RESTART_COUNT=str(restart_count),
