@@ -45,6 +45,9 @@ TILES = {"pre_kernel": dict(BLOCK_T=16, BLOCK_C=64, num_warps=8),
 # pre's channels per loop step at a width that is not a multiple of 16: triton's JIT then cannot
 # prove the rows aligned, every element gets its own 64-bit pointer, and the shipped step spills.
 UNALIGNED_PRE_BLOCK_C = 32
+# hc's pre projects (token, stream) rows, so tl.dot's 16 rows take 4 tokens; its lighter program
+# keeps more of them resident per SM, so fewer tokens each keep their x tiles in L2 for the re-read.
+HC_PRE_BLOCK_T = 8
 # Token splits of the backward's apply kernel, each with its own weight-sized partial of grad W: a
 # fixed number, so that the partials cost the same whatever the token count.
 WEIGHT_GRAD_SPLITS = 16
@@ -174,6 +177,8 @@ def connection_pre(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
         tile = dict(TILES["pre_kernel"])
         if x.shape[2] % 16:
             tile["BLOCK_C"] = min(tile["BLOCK_C"], UNALIGNED_PRE_BLOCK_C)
+        if variant == "hc":
+            tile["BLOCK_T"] = min(tile["BLOCK_T"], HC_PRE_BLOCK_T)
         # Cast once here, not by every program: rounds as the kernel's own cast to bf16 operands would.
         weight_operand = (weight.to(torch.bfloat16) if bf16_operands else weight).contiguous()
         _launch("pre_kernel", (_cdiv(tokens, tile["BLOCK_T"]),), x.device, x, weight_operand, scale, bias, perms,
