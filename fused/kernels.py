@@ -46,11 +46,11 @@ def round_to_bf16(x):
 @triton.jit
 def dot_accumulate(a, b, acc, OPERANDS: tl.constexpr):
     """acc + a @ b in fp32: operands "bf16" (tensor cores), "bf16_rounded" (the same exact products
-    in fp32, for the interpreter) or "fp32" (never TF32)."""
+    in fp32, for the interpreter) or "fp32" (never TF32); a and b fp32, or bf16 unless "fp32"."""
     if OPERANDS == "bf16":
         out = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
     elif OPERANDS == "bf16_rounded":
-        out = tl.dot(round_to_bf16(a), round_to_bf16(b), acc, input_precision="ieee")
+        out = tl.dot(round_to_bf16(a.to(tl.float32)), round_to_bf16(b.to(tl.float32)), acc, input_precision="ieee")
     else:
         out = tl.dot(a, b, acc, input_precision="ieee")
     return out
@@ -200,7 +200,9 @@ def pre_kernel(x_ptr, weight_ptr, scale_ptr, bias_ptr, perm_ptr, u_ptr, h_pre_pt
                z_ptr, rms_inv_ptr, T, C, eps, VARIANT: tl.constexpr, RES: tl.constexpr, ITERS: tl.constexpr,
                OPERANDS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, RES_BLOCK: tl.constexpr):
     """BLOCK_T tokens: projection and RMS factor from one read of x, the coefficients in registers,
-    then u from a re-read of the same tile (L2).
+    then u from a re-read of the same tile, few enough tokens that the re-read comes from L2 with
+    every program resident at once. The weight (bf16 when the GEMM takes bf16 operands, cast once
+    by the caller) is read by every program, so L2 holds it once for all.
     Per token: reads x (nCs); writes u (4C), the coefficients, z and rms_inv (O(n^2) floats)."""
     token = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     token_ok = token < T

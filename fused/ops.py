@@ -31,16 +31,23 @@ STREAMS = 4  # the kernels are written for n = 4 streams
 MIN_SINKHORN_ITERS = 4  # the Sinkhorn backward keeps four checkpoints
 
 # Each kernel's tile (constexprs: tokens per program, channels per loop step or per program in
-# pre_backward_apply) and warps: pre, post and post_backward the fastest setting of `python -m
-# benchmarks.kernel_tiles --size M` on an H100 (docs/benchmarks.md); pre_backward's two kernels
-# chosen on CPU by python -m fused.tools.latency, not yet timed on a GPU. None spills registers on
+# pre_backward_apply) and warps: post and post_backward the fastest setting of `python -m
+# benchmarks.kernel_tiles --size M` on an H100 (docs/benchmarks.md); pre and pre_backward's two
+# kernels chosen on CPU by python -m fused.tools.latency (pre: 16 tokens, so that the resident
+# programs' x tiles fit in L2 for the re-read), not yet timed on a GPU. None spills registers on
 # sm_80 or sm_90 (python -m fused.tools.resources; pre_backward_apply only without software
 # pipelining). tl.dot needs 16 or more tokens and channels in the pre kernels.
-TILES = {"pre_kernel": dict(BLOCK_T=64, BLOCK_C=16, num_warps=8),
+TILES = {"pre_kernel": dict(BLOCK_T=16, BLOCK_C=64, num_warps=8),
          "post_kernel": dict(BLOCK_T=4, BLOCK_C=256, num_warps=4),
          "post_backward_kernel": dict(BLOCK_T=8, BLOCK_C=128, num_warps=4),
          "pre_backward_reduce_kernel": dict(BLOCK_T=16, BLOCK_C=32, num_warps=8),
          "pre_backward_apply_kernel": dict(BLOCK_T=16, BLOCK_C=32, num_warps=8, num_stages=1)}
+# pre's channels per loop step at a width that is not a multiple of 16: triton's JIT then cannot
+# prove the rows aligned, every element gets its own 64-bit pointer, and the shipped step spills.
+UNALIGNED_PRE_BLOCK_C = 32
+# hc's pre projects (token, stream) rows, so tl.dot's 16 rows take 4 tokens; its lighter program
+# keeps more of them resident per SM, so fewer tokens each keep their x tiles in L2 for the re-read.
+HC_PRE_BLOCK_T = 8
 # Token splits of the backward's apply kernel, each with its own weight-sized partial of grad W: a
 # fixed number, so that the partials cost the same whatever the token count.
 WEIGHT_GRAD_SPLITS = 16
@@ -167,8 +174,14 @@ def connection_pre(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
     tokens = x.shape[0]
     if tokens > 0:
         perms = perm_matrices.contiguous() if perm_matrices.numel() else weight  # read only by mhclite
-        tile = TILES["pre_kernel"]
-        _launch("pre_kernel", (_cdiv(tokens, tile["BLOCK_T"]),), x.device, x, weight.contiguous(), scale, bias, perms,
+        tile = dict(TILES["pre_kernel"])
+        if x.shape[2] % 16:
+            tile["BLOCK_C"] = min(tile["BLOCK_C"], UNALIGNED_PRE_BLOCK_C)
+        if variant == "hc":
+            tile["BLOCK_T"] = min(tile["BLOCK_T"], HC_PRE_BLOCK_T)
+        # Cast once here, not by every program: rounds as the kernel's own cast to bf16 operands would.
+        weight_operand = (weight.to(torch.bfloat16) if bf16_operands else weight).contiguous()
+        _launch("pre_kernel", (_cdiv(tokens, tile["BLOCK_T"]),), x.device, x, weight_operand, scale, bias, perms,
                 u, h_pre, h_post, h_res, z, rms_inv, tokens, x.shape[2], RMS_EPS, **tile,
                 **_variant_constexprs(variant, weight, bf16_operands, sinkhorn_iters, x.device))
     return outputs

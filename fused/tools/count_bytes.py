@@ -11,7 +11,9 @@ tile, and counts:
     address count both); every load and store as executed, repeats included ("executed"); the load
     instructions executed ("loads", the serial steps of fused.tools.latency); and the bytes of
     loads of an address the same program touched before, by reuse distance ("rereads", the input of
-    the L2 model in fused.tools.latency);
+    the L2 model in fused.tools.latency): the bytes of the program's own addresses it moved in
+    between, leaving out addresses other programs of the launch touch too (the weight, the
+    per-logit parameters), which L2 holds once for all programs;
   - every aten op that runs outside the kernels (the connection's own torch code, inside the custom
     ops too), its inputs plus its outputs, leaving out views, metadata ops and allocations. The
     branch is a stand-in whose own forward and backward are not counted.
@@ -75,7 +77,8 @@ class KernelBytes:
     per direction), to counter.executed[name] every load's and store's bytes as executed (repeats
     included), to counter.loads[name] the load instructions executed (all programs), and to
     counter.rereads[name][d] the bytes of loads of an address the same program had touched before,
-    d = floor(log2(bytes the program moved in between)), for the L2 model (reread_misses)."""
+    d = floor(log2(bytes of its own addresses the program moved in between)), for the L2 model
+    (fused.tools.latency.dram_bytes_per_token)."""
 
     def __init__(self):
         self.bytes = collections.Counter()
@@ -105,11 +108,12 @@ class KernelBytes:
             self.bytes[name] += sum(distinct(np.concatenate(a)) * size for size, a in by_size.items())
         self.executed[name] += sum(addresses.size * itemsize for _, addresses, itemsize, _ in launch)
         self.loads[name] += sum(direction == "read" for direction, *_ in launch)
+        shared = shared_addresses(launch)
         by_program = collections.defaultdict(list)
         for access in launch:
             by_program[access[3]].append(access)
         for accesses in by_program.values():
-            self.rereads[name].update(reuse_distances(accesses))
+            self.rereads[name].update(reuse_distances(accesses, shared))
 
 
     @contextlib.contextmanager
@@ -150,11 +154,33 @@ class KernelBytes:
                 setattr(InterpreterBuilder, name, fn)
 
 
-def reuse_distances(accesses):
+def shared_addresses(accesses):
+    """The addresses (sorted) that more than one program among a launch's `accesses` touches."""
+    if not accesses:
+        return np.zeros(0, dtype=np.int64)
+    programs = {}
+    addresses = np.concatenate([a.astype(np.int64) for _, a, _, _ in accesses])
+    owner = np.concatenate([np.full(a.size, programs.setdefault(p, len(programs)), dtype=np.int64)
+                            for _, a, _, p in accesses])
+    order = np.lexsort((owner, addresses))
+    addresses, owner = addresses[order], owner[order]
+    starts = np.flatnonzero(np.concatenate([[True], addresses[1:] != addresses[:-1]]))
+    ends = np.concatenate([starts[1:], [addresses.size]]) - 1
+    return addresses[starts][owner[starts] != owner[ends]]
+
+
+def reuse_distances(accesses, shared=np.zeros(0, dtype=np.int64)):
     """{floor(log2(distance)): bytes} over the loads among one program's `accesses` (in order) of an
     address an earlier access touched; distance = the bytes of the accesses between the two (at
-    least 1)."""
-    sizes = np.array([addresses.size * itemsize for _, addresses, itemsize, _ in accesses], dtype=np.int64)
+    least 1), leaving out the `shared` addresses (sorted)."""
+    def own(addresses):
+        if not shared.size:
+            return addresses.size
+        addresses = addresses.astype(np.int64)
+        at = np.minimum(np.searchsorted(shared, addresses), shared.size - 1)
+        return addresses.size - np.count_nonzero(shared[at] == addresses)
+
+    sizes = np.array([own(addresses) * itemsize for _, addresses, itemsize, _ in accesses], dtype=np.int64)
     moved_before = np.concatenate([[0], np.cumsum(sizes)])
     index = np.concatenate([np.full(a.size, k, dtype=np.int64) for k, (_, a, _, _) in enumerate(accesses)])
     addresses = np.concatenate([a.astype(np.int64) for _, a, _, _ in accesses])

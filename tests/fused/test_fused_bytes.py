@@ -52,11 +52,12 @@ def test_kernel_counter_counts_each_address_once_per_launch_and_direction():
 
 
 @triton.jit
-def read_apart_kernel(src_ptr, pad_ptr, dst_ptr, BLOCK: tl.constexpr, PAD: tl.constexpr):
-    """Reads src, then PAD elements of pad, then src again (the re-read), and writes dst."""
+def read_apart_kernel(src_ptr, pad_ptr, dst_ptr, BLOCK: tl.constexpr, PAD: tl.constexpr, PAD_STRIDE: tl.constexpr):
+    """Reads src, then PAD elements of pad (from program_id x PAD_STRIDE on), then src again (the
+    re-read), and writes dst."""
     index = tl.arange(0, BLOCK)
     first = tl.load(src_ptr + index)
-    between = tl.sum(tl.load(pad_ptr + tl.arange(0, PAD)))
+    between = tl.sum(tl.load(pad_ptr + tl.program_id(0) * PAD_STRIDE + tl.arange(0, PAD)))
     again = tl.load(src_ptr + index)
     tl.store(dst_ptr + index, first + again + between)
 
@@ -75,16 +76,22 @@ def test_executed_bytes_count_repeats_and_rereads_know_their_distance():
     assert set(counter.rereads["copy"]) == {0}
 
     counter = count_bytes.KernelBytes()
-    src, pad, dst = torch.ones(16), torch.ones(256), torch.zeros(16)
+    src, pad, dst = torch.ones(16), torch.ones(4 * 256), torch.zeros(16)
     with counter.patched():
-        with counter.launch("apart"):
-            read_apart_kernel[(4,)](src, pad, dst, BLOCK=16, PAD=256)  # four programs read the same src
-    assert counter.bytes["apart"] == 16 * 4 + 256 * 4 + 16 * 4
-    assert counter.executed["apart"] == 4 * (2 * 16 * 4 + 256 * 4 + 16 * 4)
-    assert counter.loads["apart"] == 4 * 3
-    # Within a program, src comes back after the 1024 bytes of pad: distance 2^10; programs never
-    # count each other's reads (nor pad and dst, touched once per program).
+        with counter.launch("apart"):  # four programs read the same src, each its own quarter of pad
+            read_apart_kernel[(4,)](src, pad, dst, BLOCK=16, PAD=256, PAD_STRIDE=256)
+        with counter.launch("shared"):  # the same, every program reading the first quarter of pad
+            read_apart_kernel[(4,)](src, pad, dst, BLOCK=16, PAD=256, PAD_STRIDE=0)
+    assert counter.bytes["apart"] == 16 * 4 + 4 * 256 * 4 + 16 * 4
+    assert counter.bytes["shared"] == 16 * 4 + 256 * 4 + 16 * 4
+    for name in ("apart", "shared"):
+        assert counter.executed[name] == 4 * (2 * 16 * 4 + 256 * 4 + 16 * 4)
+        assert counter.loads[name] == 4 * 3
+    # Within a program, src comes back after the 1024 bytes of its own pad: distance 2^10; programs
+    # never count each other's reads (nor pad and dst, touched once per program).
     assert counter.rereads["apart"] == {10: 4 * 16 * 4}
+    # Bytes every program reads (a weight) take L2 once for all and count in no distance: 1, bucket 0.
+    assert counter.rereads["shared"] == {0: 4 * 16 * 4}
 
 
 def test_torch_counter_counts_inputs_and_outputs_but_not_views_or_allocations():
