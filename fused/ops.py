@@ -42,12 +42,16 @@ TILES = {"pre_kernel": dict(BLOCK_T=16, BLOCK_C=64, num_warps=8),
          "post_backward_kernel": dict(BLOCK_T=8, BLOCK_C=128, num_warps=4),
          "pre_backward_reduce_kernel": dict(BLOCK_T=16, BLOCK_C=32, num_warps=8),
          "pre_backward_apply_kernel": dict(BLOCK_T=16, BLOCK_C=32, num_warps=8, num_stages=1)}
-# pre's channels per loop step at a width that is not a multiple of 16: triton's JIT then cannot
-# prove the rows aligned, every element gets its own 64-bit pointer, and the shipped step spills.
+# Channels per step (pre) or per program (the backward's kernels) at a width that is not a multiple
+# of 16: triton's JIT then cannot prove the rows aligned, every element gets its own 64-bit pointer,
+# and the shipped tiles spill (the backward's under triton 3.6 on sm_80).
 UNALIGNED_PRE_BLOCK_C = 32
+UNALIGNED_BACKWARD_BLOCK_C = 16
 # hc's pre projects (token, stream) rows, so tl.dot's 16 rows take 4 tokens; its lighter program
 # keeps more of them resident per SM, so fewer tokens each keep their x tiles in L2 for the re-read.
 HC_PRE_BLOCK_T = 8
+# mhc's pre also runs the Sinkhorn iterations: at 64 channels per step triton 3.6 spills on sm_90.
+MHC_PRE_BLOCK_C = 32
 # Token splits of the backward's apply kernel, each with its own weight-sized partial of grad W: a
 # fixed number, so that the partials cost the same whatever the token count.
 WEIGHT_GRAD_SPLITS = 16
@@ -179,6 +183,8 @@ def connection_pre(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
             tile["BLOCK_C"] = min(tile["BLOCK_C"], UNALIGNED_PRE_BLOCK_C)
         if variant == "hc":
             tile["BLOCK_T"] = min(tile["BLOCK_T"], HC_PRE_BLOCK_T)
+        if variant == "mhc":
+            tile["BLOCK_C"] = min(tile["BLOCK_C"], MHC_PRE_BLOCK_C)
         # Cast once here, not by every program: rounds as the kernel's own cast to bf16 operands would.
         weight_operand = (weight.to(torch.bfloat16) if bf16_operands else weight).contiguous()
         _launch("pre_kernel", (_cdiv(tokens, tile["BLOCK_T"]),), x.device, x, weight_operand, scale, bias, perms,
@@ -211,7 +217,10 @@ def connection_pre_backward(x: torch.Tensor, grad: torch.Tensor, grad_u: torch.T
     x, grad, grad_u, grad_h_post = (t.contiguous() for t in (x, grad, grad_u, grad_h_post))
     tokens, n, c = x.shape
     grad_x = torch.empty_like(x)
-    reduce_tile, apply_tile = TILES["pre_backward_reduce_kernel"], TILES["pre_backward_apply_kernel"]
+    reduce_tile, apply_tile = dict(TILES["pre_backward_reduce_kernel"]), dict(TILES["pre_backward_apply_kernel"])
+    if c % 16:
+        for tile in (reduce_tile, apply_tile):
+            tile["BLOCK_C"] = min(tile["BLOCK_C"], UNALIGNED_BACKWARD_BLOCK_C)
     blocks = _cdiv(tokens, reduce_tile["BLOCK_T"])
     splits = min(WEIGHT_GRAD_SPLITS, _cdiv(tokens, apply_tile["BLOCK_T"]))
     # Every reduce program and every apply program (splits <= token blocks) writes its whole slice: no zero fill.
