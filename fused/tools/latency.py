@@ -32,12 +32,11 @@ import argparse
 import json
 import math
 import os
-import sys
 
 from fused import ops
 
 from .launches import connection_launches, jit_specialisation
-from .resources import RESIDUALS, STREAM_DTYPES, compile_kernel, missing_tool
+from .resources import RESIDUALS, STREAM_DTYPES, compile_kernel, exit_unless_compilable
 from .tables import fmt, markdown_table
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -221,13 +220,7 @@ def main(argv=None):
     parser.add_argument("--predictions", help="also write {residual: {stream dtype: {kernel: predicted us}}} here "
                         f"(the benchmark reads {os.path.relpath(PREDICTED_TIMES)})")
     args = parser.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        print("error: TRITON_INTERPRET=1 is set; compiling needs triton's compiler: unset it", file=sys.stderr)
-        sys.exit(2)
-    reason = missing_tool()
-    if reason:
-        print(f"error: {reason}", file=sys.stderr)
-        sys.exit(2)
+    exit_unless_compilable()
     result = with_predictions(model(kernel_bytes=args.kernel_bytes, calibration=args.calibration))
     a = result["agreement"]
     print(f"Predicted per launch at M ({M_BATCH * M_TIME:,} tokens, C = {WIDTH}, bf16 autocast) on sm_{CC} "

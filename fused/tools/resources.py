@@ -69,6 +69,17 @@ def missing_tool():
     return None
 
 
+def exit_unless_compilable():
+    """Exit with one error line where kernels cannot be compiled for a GPU here."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("error: TRITON_INTERPRET=1 is set; compiling needs triton's compiler: unset it", file=sys.stderr)
+        sys.exit(2)
+    reason = missing_tool()
+    if reason:
+        print(f"error: {reason}", file=sys.stderr)
+        sys.exit(2)
+
+
 def ctas_per_sm(registers, shared_bytes, num_warps, cc):
     """Resident CTAs per SM allowed by registers, threads, the CTA limit and shared memory."""
     limits = LIMITS[cc]
@@ -197,13 +208,7 @@ def main(argv=None):
     if bad:
         print(f"error: unknown {bad[0]}", file=sys.stderr)
         sys.exit(2)
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        print("error: TRITON_INTERPRET=1 is set; compiling needs triton's compiler: unset it", file=sys.stderr)
-        sys.exit(2)
-    reason = missing_tool()
-    if reason:
-        print(f"error: {reason}", file=sys.stderr)
-        sys.exit(2)
+    exit_unless_compilable()
     import triton
     start = time.perf_counter()
     records, compilations = measure(args.residuals, args.stream_dtypes, args.widths, args.ccs, args.jobs)
