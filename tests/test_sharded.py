@@ -297,6 +297,21 @@ def test_a_failed_or_killed_save_keeps_the_previous_checkpoint(process_group, tm
     assert checkpoint.has_checkpoint(str(link)) and checkpoint.find_checkpoint(str(tmp_path)) == str(link)
 
 
+def fail_the_second_shard_write(monkeypatch, code):
+    """DCP's writer raises OSError(code) in the second save's shard write, as a full disk or quota
+    does; returns the list of writes made."""
+    real_write, writes = dcp.FileSystemWriter.write_data, []
+
+    def write_data(self, *args, **kwargs):
+        writes.append(self)
+        if len(writes) == 2:
+            raise OSError(code, os.strerror(code))
+        return real_write(self, *args, **kwargs)
+
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", write_data)
+    return writes
+
+
 @pytest.mark.slow
 def test_a_failed_sharded_save_exits_3_with_one_line_and_the_run_resumes(runs, data_dir, tmp_path, monkeypatch,
                                                                         capsys):
@@ -305,15 +320,7 @@ def test_a_failed_sharded_save_exits_3_with_one_line_and_the_run_resumes(runs, d
     from it to the uninterrupted sharded run's trajectory, here with activation checkpointing,
     which shards and computes the same."""
     out = tmp_path / "run"
-    real_write, writes = dcp.FileSystemWriter.write_data, []
-
-    def write_data(self, *args, **kwargs):
-        writes.append(self)
-        if len(writes) == 2:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real_write(self, *args, **kwargs)
-
-    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", write_data)
+    fail_the_second_shard_write(monkeypatch, errno.ENOSPC)
     args = tiny_args(data_dir, out, residual="mhclite", parallel="fsdp", init_from="auto", **SHARED)
     with one_process_world(), pytest.raises(SystemExit) as info:
         train.main(args)
@@ -475,15 +482,7 @@ def test_a_sharded_save_that_fails_in_the_background_is_one_line_at_the_next_sav
     """The step-5 save's shards fail to write while steps 6 to 10 train: the failure surfaces at the
     step-10 save, as one line naming step 5 and the step-0 checkpoint kept; nothing of step 5 or 10
     is left, and the link never moved."""
-    real_write, writes = dcp.FileSystemWriter.write_data, []
-
-    def write_data(self, *args, **kwargs):
-        writes.append(self)
-        if len(writes) == 2:
-            raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
-        return real_write(self, *args, **kwargs)
-
-    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", write_data)
+    writes = fail_the_second_shard_write(monkeypatch, errno.EDQUOT)
     out = tmp_path / "run"
     with one_process_world(), pytest.raises(SystemExit) as info:
         train.main(tiny_args(data_dir, out, residual="res", parallel="fsdp", **SHARED))
