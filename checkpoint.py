@@ -560,8 +560,8 @@ def remove_stale_sharded(out_dir, keep=1):
     live = os.path.basename(os.path.realpath(sharded_path(out_dir)))
     folders = sharded_folders(out_dir)
     older = folders[:folders.index(live)] if live in folders else folders
-    kept = {live} | set([name for name in older if is_complete_sharded(os.path.join(out_dir, name))][-(keep - 1):]
-                        if keep > 1 else [])
+    complete_older = [name for name in older if is_complete_sharded(os.path.join(out_dir, name))]
+    kept = {live, *complete_older[max(len(complete_older) - (keep - 1), 0):]}
     stale = [name for name in folders if name not in kept]
     for name in stale:
         shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
