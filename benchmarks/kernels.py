@@ -115,10 +115,10 @@ def kernel_bench(args, device):
 
 def backward_by_splits(args, device):
     """A connection's whole backward (its backward kernels, the branch's backward, the sum of the
-    grad-W partials) timed with each of SPLIT_COUNTS grad-W token splits (capped at the apply
+    grad-W partials) timed with each of SPLIT_COUNTS grad-W token splits (capped at the grad-W
     kernel's token blocks), interleaved round by round as the step benchmark's steps."""
     tokens = args.batch_size * args.block_size
-    blocks = -(-tokens // ops.TILES["pre_backward_apply_kernel"]["BLOCK_T"])
+    blocks = -(-tokens // ops.TILES["pre_backward_weight_kernel"]["BLOCK_T"])
     counts = sorted({min(splits, blocks) for splits in (*SPLIT_COUNTS, ops.WEIGHT_GRAD_SPLITS)})
     default = min(ops.WEIGHT_GRAD_SPLITS, blocks)
     rows, saved = [], ops.WEIGHT_GRAD_SPLITS

@@ -11,8 +11,9 @@ output element; VARIANT is "hc", "mhc" or "mhclite"):
                    grad z, row term, h_pre, h_res, and        coefficient-math backward in registers
                    the block's grad scale and grad bias
     pre_backward_apply   x, g, grad u, grad z, ... ->         per channel block and token split: grad x
-                   grad x, the split's partial of grad W      written once (mixing, projection and RMS
-                                                               terms), grad W's slice summed on chip
+                   grad x                                     written once (mixing, projection and RMS terms)
+    pre_backward_weight  x, grad z -> the split's partial     per channel block and token split: grad W's
+                   of grad W                                  slice summed on chip
 
 Coefficient layouts (fp32, per token): h_pre (n), h_post (n), h_res (n, n) with x_next[i] =
 sum_j h_res[i, j] x[j]. z is the projection before the RMS factor, rms_inv the RMS factor; with
@@ -349,22 +350,19 @@ def mixing_grads(x_ptr, grad_ptr, grad_u_ptr, token, token_ok, C, BLOCK_C: tl.co
         grad_u = tl.load(grad_u_ptr + token.to(tl.int64)[:, None] * C + channel[None, :],
                          mask=token_ok[:, None] & channel_ok[None, :], other=0.0).to(tl.float32)
         grad_h_pre += tl.sum(x * grad_u[:, None, :], axis=2)
-        grad_h_res += tl.sum(grad[:, :, None, :] * x[:, None, :, :], axis=3)
+        for i in tl.static_range(STREAMS):  # stream by stream: (T, n, BLOCK_C) tiles, not (T, n, n, BLOCK_C)
+            grad_i = tl.sum(tl.where(stream[None, :, None] == i, grad, 0.0), axis=1)  # g[:, i, :]
+            grad_h_res += tl.where(stream[None, :, None] == i, tl.sum(grad_i[:, None, :] * x, axis=2)[:, None, :], 0.0)
     return grad_h_pre, grad_h_res
 
 
 @triton.jit
-def mixing_grad_x(grad_ptr, grad_u_ptr, h_pre, h_res, token, token_ok, start, C, BLOCK_C: tl.constexpr):
-    """The mixing's part of grad x[j] for one channel block: h_pre[j] grad u + sum_i h_res[i, j] g[i]."""
+def mixing_grad_x(grad, grad_u, h_pre, h_res):
+    """The mixing's part of grad x[j] for a (T, n, BLOCK_C) tile of g: h_pre[j] grad u + sum_i h_res[i, j] g[i]."""
     stream = tl.arange(0, STREAMS)
-    channel = start + tl.arange(0, BLOCK_C)
-    vector = token.to(tl.int64)[:, None] * C + channel[None, :]
-    vector_ok = token_ok[:, None] & (channel < C)[None, :]
-    grad_u = tl.load(grad_u_ptr + vector, mask=vector_ok, other=0.0).to(tl.float32)
     out = h_pre[:, :, None] * grad_u[:, None, :]
     for i in tl.static_range(STREAMS):  # stream by stream: (T, n, BLOCK_C) tiles, not (T, n, n, BLOCK_C)
-        grad_i = tl.load(grad_ptr + vector + i * C + token.to(tl.int64)[:, None] * ((STREAMS - 1) * C),
-                         mask=vector_ok, other=0.0).to(tl.float32)
+        grad_i = tl.sum(tl.where(stream[None, :, None] == i, grad, 0.0), axis=1)  # g[:, i, :]
         h_res_i = tl.sum(tl.where(stream[None, :, None] == i, h_res, 0.0), axis=1)  # h_res[:, i, :]
         out += h_res_i[:, :, None] * grad_i[:, None, :]
     return out
@@ -460,49 +458,27 @@ def pre_backward_reduce_kernel(x_ptr, grad_ptr, grad_u_ptr, grad_h_post_ptr, sca
 
 @triton.jit
 def pre_backward_apply_kernel(x_ptr, grad_ptr, grad_u_ptr, weight_ptr, grad_z_ptr, row_coef_ptr, h_pre_ptr, h_res_ptr,
-                              grad_x_ptr, grad_weight_ptr, T, C, VARIANT: tl.constexpr, RES: tl.constexpr,
-                              OPERANDS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-                              RES_BLOCK: tl.constexpr):
+                              grad_x_ptr, T, C, VARIANT: tl.constexpr, RES: tl.constexpr, OPERANDS: tl.constexpr,
+                              BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, RES_BLOCK: tl.constexpr):
     """The second pass, one program per BLOCK_C channels (of every stream) and token split: its
-    slice of the weight stays in registers while it walks the split's token blocks (every
-    num_programs(1)-th one) and writes grad x = h_pre grad u + h_res^T g + row term x + grad z W
-    once, summing grad z^T x for its slice of grad W on chip, stored once at the end into the
-    split's weight-sized partial (the caller sums the splits in a fixed order).
+    slice of the weight (bf16 when the GEMM takes bf16 operands, cast once by the caller) stays in
+    registers while it walks the split's token blocks (every num_programs(1)-th one) and writes
+    grad x = h_pre grad u + h_res^T g + row term x + grad z W once. Nothing is summed over tokens
+    here: grad W is pre_backward_weight_kernel's.
     Per token: reads x and g (2 nCs), grad u (4C) and O(n^2) floats per channel block; writes grad x (nCs)."""
     channel_block = tl.program_id(0)
     split = tl.program_id(1)
     start = channel_block * BLOCK_C
     stream = tl.arange(0, STREAMS)
     pair_index = stream[:, None] * STREAMS + stream[None, :]
+    channel_in_block = tl.arange(0, BLOCK_C)
     if VARIANT == "hc":
         k = tl.arange(0, HC_LOGITS)
         k_ok = k < STREAMS + 2
-        channel = start + tl.arange(0, BLOCK_C)
+        channel = start + channel_in_block
         channel_ok = channel < C
         weight = tl.load(weight_ptr + k[:, None] * C + channel[None, :], mask=k_ok[:, None] & channel_ok[None, :],
                          other=0.0)
-        acc = tl.zeros((HC_LOGITS, BLOCK_C), dtype=tl.float32)
-        for block in range(split, tl.cdiv(T, BLOCK_T), tl.num_programs(1)):
-            token = block * BLOCK_T + tl.arange(0, BLOCK_T)
-            token_ok = token < T
-            row = block * BLOCK_T * STREAMS + tl.arange(0, BLOCK_T * STREAMS)
-            row_ok = row < T * STREAMS
-            grad_z = tl.load(grad_z_ptr + row[:, None] * (STREAMS + 2) + k[None, :],
-                             mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            row_coef = tl.load(row_coef_ptr + row, mask=row_ok, other=0.0)
-            h_pre = tl.load(h_pre_ptr + token[:, None] * STREAMS + stream[None, :], mask=token_ok[:, None], other=0.0)
-            h_res = tl.load(h_res_ptr + token[:, None, None] * (STREAMS * STREAMS) + pair_index[None, :, :],
-                            mask=token_ok[:, None, None], other=0.0)
-            tile = row.to(tl.int64)[:, None] * C + channel[None, :]
-            tile_ok = row_ok[:, None] & channel_ok[None, :]
-            rows = tl.load(x_ptr + tile, mask=tile_ok, other=0.0).to(tl.float32)
-            mixing = mixing_grad_x(grad_ptr, grad_u_ptr, h_pre, h_res, token, token_ok, start, C, BLOCK_C)
-            grad_rows = tl.reshape(mixing, (BLOCK_T * STREAMS, BLOCK_C)) + rows * row_coef[:, None]
-            grad_rows = dot_accumulate(grad_z, weight, grad_rows, OPERANDS)
-            tl.store(grad_x_ptr + tile, grad_rows.to(grad_x_ptr.dtype.element_ty), mask=tile_ok)
-            acc = dot_accumulate(tl.trans(grad_z), rows, acc, OPERANDS)
-        tl.store(grad_weight_ptr + split.to(tl.int64) * (STREAMS + 2) * C + k[:, None] * C + channel[None, :], acc,
-                 mask=k_ok[:, None] & channel_ok[None, :])
     else:
         LOGITS: tl.constexpr = 2 * STREAMS + RES
         D = STREAMS * C
@@ -518,6 +494,84 @@ def pre_backward_apply_kernel(x_ptr, grad_ptr, grad_u_ptr, weight_ptr, grad_z_pt
                               mask=pair_ok[:, None] & channel_ok[None, :], other=0.0)
         weight_res = tl.load(weight_ptr + (2 * STREAMS + res[:, None]) * D + depth[None, :],
                              mask=res_ok[:, None] & channel_ok[None, :], other=0.0)
+    for block in range(split, tl.cdiv(T, BLOCK_T), tl.num_programs(1)):
+        token = block * BLOCK_T + tl.arange(0, BLOCK_T)
+        token_ok = token < T
+        h_pre = tl.load(h_pre_ptr + token[:, None] * STREAMS + stream[None, :], mask=token_ok[:, None], other=0.0)
+        h_res = tl.load(h_res_ptr + token[:, None, None] * (STREAMS * STREAMS) + pair_index[None, :, :],
+                        mask=token_ok[:, None, None], other=0.0)
+        vector = token.to(tl.int64)[:, None] * C + (start + channel_in_block)[None, :]
+        grad_u = tl.load(grad_u_ptr + vector, mask=token_ok[:, None] & (start + channel_in_block < C)[None, :],
+                         other=0.0)
+        # x, g and grad x share one layout: per token n rows of C, this block's BLOCK_C channels of each.
+        tile = (token.to(tl.int64)[:, None, None] * (STREAMS * C) + stream[None, :, None] * C
+                + (start + channel_in_block)[None, None, :])
+        tile_ok = token_ok[:, None, None] & (start + channel_in_block < C)[None, None, :]
+        grad = tl.load(grad_ptr + tile, mask=tile_ok, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + tile, mask=tile_ok, other=0.0).to(tl.float32)
+        mixing = mixing_grad_x(grad, grad_u, h_pre, h_res)
+        if VARIANT == "hc":
+            row = block * BLOCK_T * STREAMS + tl.arange(0, BLOCK_T * STREAMS)  # (token, stream) rows
+            row_ok = row < T * STREAMS
+            grad_z = tl.load(grad_z_ptr + row[:, None] * (STREAMS + 2) + k[None, :],
+                             mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            row_coef = tl.load(row_coef_ptr + row, mask=row_ok, other=0.0)
+            grad_rows = (tl.reshape(mixing, (BLOCK_T * STREAMS, BLOCK_C))
+                         + tl.reshape(x, (BLOCK_T * STREAMS, BLOCK_C)) * row_coef[:, None])
+            grad_rows = dot_accumulate(grad_z, weight, grad_rows, OPERANDS)
+        else:
+            grad_z_pair = tl.load(grad_z_ptr + token[:, None] * LOGITS + pair[None, :],
+                                  mask=token_ok[:, None] & pair_ok[None, :], other=0.0)
+            grad_z_res = tl.load(grad_z_ptr + token[:, None] * LOGITS + 2 * STREAMS + res[None, :],
+                                 mask=token_ok[:, None] & res_ok[None, :], other=0.0)
+            row_coef = tl.load(row_coef_ptr + token, mask=token_ok, other=0.0)
+            grad_rows = (tl.reshape(mixing, (BLOCK_T, STREAMS * BLOCK_C))
+                         + tl.reshape(x, (BLOCK_T, STREAMS * BLOCK_C)) * row_coef[:, None])
+            grad_rows = dot_accumulate(grad_z_pair, weight_pair, grad_rows, OPERANDS)
+            grad_rows = dot_accumulate(grad_z_res, weight_res, grad_rows, OPERANDS)
+        tl.store(grad_x_ptr + tile, tl.reshape(grad_rows, (BLOCK_T, STREAMS, BLOCK_C)).to(grad_x_ptr.dtype.element_ty),
+                 mask=tile_ok)
+
+
+@triton.jit
+def pre_backward_weight_kernel(x_ptr, grad_z_ptr, grad_weight_ptr, T, C, VARIANT: tl.constexpr, RES: tl.constexpr,
+                               OPERANDS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+                               RES_BLOCK: tl.constexpr):
+    """grad W = grad z^T x, split over tokens: one program per BLOCK_C channels (of every stream) and
+    token split sums grad z^T x over the split's token blocks (every num_programs(1)-th one) on chip
+    and stores its slice of the split's weight-sized partial once (the caller sums the splits in a
+    fixed order: the same bits on every run).
+    Per token: reads x (nCs) and grad z (O(n^2) floats)."""
+    channel_block = tl.program_id(0)
+    split = tl.program_id(1)
+    start = channel_block * BLOCK_C
+    if VARIANT == "hc":
+        k = tl.arange(0, HC_LOGITS)
+        k_ok = k < STREAMS + 2
+        channel = start + tl.arange(0, BLOCK_C)
+        channel_ok = channel < C
+        acc = tl.zeros((HC_LOGITS, BLOCK_C), dtype=tl.float32)
+        for block in range(split, tl.cdiv(T, BLOCK_T), tl.num_programs(1)):
+            row = block * BLOCK_T * STREAMS + tl.arange(0, BLOCK_T * STREAMS)  # (token, stream) rows
+            row_ok = row < T * STREAMS
+            grad_z = tl.load(grad_z_ptr + row[:, None] * (STREAMS + 2) + k[None, :],
+                             mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            rows = tl.load(x_ptr + row.to(tl.int64)[:, None] * C + channel[None, :],
+                           mask=row_ok[:, None] & channel_ok[None, :], other=0.0).to(tl.float32)
+            acc = dot_accumulate(tl.trans(grad_z), rows, acc, OPERANDS)
+        tl.store(grad_weight_ptr + split.to(tl.int64) * (STREAMS + 2) * C + k[:, None] * C + channel[None, :], acc,
+                 mask=k_ok[:, None] & channel_ok[None, :])
+    else:
+        LOGITS: tl.constexpr = 2 * STREAMS + RES
+        D = STREAMS * C
+        pair = tl.arange(0, PAIR_LOGITS)
+        res = tl.arange(0, RES_BLOCK)
+        pair_ok = pair < 2 * STREAMS
+        res_ok = res < RES
+        depth_in_block = tl.arange(0, STREAMS * BLOCK_C)  # (stream, channel) within the channel block
+        channel = start + depth_in_block % BLOCK_C
+        channel_ok = channel < C
+        depth = (depth_in_block // BLOCK_C) * C + channel
         acc_pair = tl.zeros((PAIR_LOGITS, STREAMS * BLOCK_C), dtype=tl.float32)
         acc_res = tl.zeros((RES_BLOCK, STREAMS * BLOCK_C), dtype=tl.float32)
         for block in range(split, tl.cdiv(T, BLOCK_T), tl.num_programs(1)):
@@ -527,18 +581,8 @@ def pre_backward_apply_kernel(x_ptr, grad_ptr, grad_u_ptr, weight_ptr, grad_z_pt
                                   mask=token_ok[:, None] & pair_ok[None, :], other=0.0)
             grad_z_res = tl.load(grad_z_ptr + token[:, None] * LOGITS + 2 * STREAMS + res[None, :],
                                  mask=token_ok[:, None] & res_ok[None, :], other=0.0)
-            row_coef = tl.load(row_coef_ptr + token, mask=token_ok, other=0.0)
-            h_pre = tl.load(h_pre_ptr + token[:, None] * STREAMS + stream[None, :], mask=token_ok[:, None], other=0.0)
-            h_res = tl.load(h_res_ptr + token[:, None, None] * (STREAMS * STREAMS) + pair_index[None, :, :],
-                            mask=token_ok[:, None, None], other=0.0)
-            tile = token.to(tl.int64)[:, None] * D + depth[None, :]
-            tile_ok = token_ok[:, None] & channel_ok[None, :]
-            rows = tl.load(x_ptr + tile, mask=tile_ok, other=0.0).to(tl.float32)
-            mixing = mixing_grad_x(grad_ptr, grad_u_ptr, h_pre, h_res, token, token_ok, start, C, BLOCK_C)
-            grad_rows = tl.reshape(mixing, (BLOCK_T, STREAMS * BLOCK_C)) + rows * row_coef[:, None]
-            grad_rows = dot_accumulate(grad_z_pair, weight_pair, grad_rows, OPERANDS)
-            grad_rows = dot_accumulate(grad_z_res, weight_res, grad_rows, OPERANDS)
-            tl.store(grad_x_ptr + tile, grad_rows.to(grad_x_ptr.dtype.element_ty), mask=tile_ok)
+            rows = tl.load(x_ptr + token.to(tl.int64)[:, None] * D + depth[None, :],
+                           mask=token_ok[:, None] & channel_ok[None, :], other=0.0).to(tl.float32)
             acc_pair = dot_accumulate(tl.trans(grad_z_pair), rows, acc_pair, OPERANDS)
             acc_res = dot_accumulate(tl.trans(grad_z_res), rows, acc_res, OPERANDS)
         partial = grad_weight_ptr + split.to(tl.int64) * LOGITS * D

@@ -40,8 +40,9 @@ MIN_SINKHORN_ITERS = 4  # the Sinkhorn backward keeps four checkpoints
 TILES = {"pre_kernel": dict(BLOCK_T=16, BLOCK_C=64, num_warps=8),
          "post_kernel": dict(BLOCK_T=4, BLOCK_C=256, num_warps=4),
          "post_backward_kernel": dict(BLOCK_T=8, BLOCK_C=128, num_warps=4),
-         "pre_backward_reduce_kernel": dict(BLOCK_T=16, BLOCK_C=32, num_warps=8),
-         "pre_backward_apply_kernel": dict(BLOCK_T=16, BLOCK_C=32, num_warps=8, num_stages=1)}
+         "pre_backward_reduce_kernel": dict(BLOCK_T=32, BLOCK_C=32, num_warps=8),
+         "pre_backward_apply_kernel": dict(BLOCK_T=16, BLOCK_C=32, num_warps=8),
+         "pre_backward_weight_kernel": dict(BLOCK_T=64, BLOCK_C=32, num_warps=8)}
 # Channels per step (pre) or per program (the backward's kernels) at a width that is not a multiple
 # of 16: triton's JIT then cannot prove the rows aligned, every element gets its own 64-bit pointer,
 # and the shipped tiles spill (the backward's under triton 3.6 on sm_80).
@@ -52,9 +53,12 @@ UNALIGNED_BACKWARD_BLOCK_C = 16
 HC_PRE_BLOCK_T = 8
 # mhc's pre also runs the Sinkhorn iterations: at 64 channels per step triton 3.6 spills on sm_90.
 MHC_PRE_BLOCK_C = 32
-# Token splits of the backward's apply kernel, each with its own weight-sized partial of grad W: a
-# fixed number, so that the partials cost the same whatever the token count.
+# Token splits of the grad-W kernel, each with its own weight-sized partial of grad W: a fixed
+# number, so that the partials cost the same whatever the token count.
 WEIGHT_GRAD_SPLITS = 16
+# Token splits of the backward's apply kernel: each program reads its weight slice once for the
+# split's token blocks, and there are no partials, so this only sets how many programs there are.
+APPLY_TOKEN_SPLITS = 64
 
 
 # ----------------------------------------------------------------------------------------------
@@ -199,8 +203,8 @@ def _(x, weight, scale, bias, perm_matrices, variant, sinkhorn_iters, bf16_opera
 
 
 def partial_bytes_per_split(weight):
-    """Bytes one token split's fp32 grad-W partial moves: written once by the apply kernel, read once
-    by the sum."""
+    """Bytes one token split's fp32 grad-W partial moves: written once by the grad-W kernel, read
+    once by the sum."""
     return 4 * 2 * weight.numel()
 
 
@@ -217,13 +221,14 @@ def connection_pre_backward(x: torch.Tensor, grad: torch.Tensor, grad_u: torch.T
     x, grad, grad_u, grad_h_post = (t.contiguous() for t in (x, grad, grad_u, grad_h_post))
     tokens, n, c = x.shape
     grad_x = torch.empty_like(x)
-    reduce_tile, apply_tile = dict(TILES["pre_backward_reduce_kernel"]), dict(TILES["pre_backward_apply_kernel"])
+    reduce_tile, apply_tile, weight_tile = (dict(TILES[f"pre_backward_{name}_kernel"])
+                                            for name in ("reduce", "apply", "weight"))
     if c % 16:
-        for tile in (reduce_tile, apply_tile):
+        for tile in (reduce_tile, apply_tile, weight_tile):
             tile["BLOCK_C"] = min(tile["BLOCK_C"], UNALIGNED_BACKWARD_BLOCK_C)
     blocks = _cdiv(tokens, reduce_tile["BLOCK_T"])
-    splits = min(WEIGHT_GRAD_SPLITS, _cdiv(tokens, apply_tile["BLOCK_T"]))
-    # Every reduce program and every apply program (splits <= token blocks) writes its whole slice: no zero fill.
+    splits = min(WEIGHT_GRAD_SPLITS, _cdiv(tokens, weight_tile["BLOCK_T"]))
+    # Every reduce program and every grad-W program (splits <= token blocks) writes its whole slice: no zero fill.
     grad_weight = weight.new_empty((splits, *weight.shape))
     grad_scale = scale.new_empty((blocks, scale.numel()))
     grad_bias = bias.new_empty((blocks, bias.numel()))
@@ -236,9 +241,14 @@ def connection_pre_backward(x: torch.Tensor, grad: torch.Tensor, grad_u: torch.T
         _launch("pre_backward_reduce_kernel", (blocks,), x.device, x, grad, grad_u, grad_h_post, scale, bias, perms,
                 z, rms_inv, grad_z, row_coef, h_pre, h_res, grad_scale, grad_bias, tokens, c, **reduce_tile,
                 **{k: v for k, v in constexprs.items() if k != "OPERANDS"})
-        _launch("pre_backward_apply_kernel", (_cdiv(c, apply_tile["BLOCK_C"]), splits), x.device, x, grad, grad_u,
-                weight.contiguous(), grad_z, row_coef, h_pre, h_res, grad_x, grad_weight, tokens, c, **apply_tile,
-                **{k: v for k, v in constexprs.items() if k != "ITERS"})
+        apply_splits = min(APPLY_TOKEN_SPLITS, _cdiv(tokens, apply_tile["BLOCK_T"]))
+        weight_operand = (weight.to(torch.bfloat16) if bf16_operands else weight).contiguous()  # as in connection_pre
+        operand_constexprs = {k: v for k, v in constexprs.items() if k != "ITERS"}
+        _launch("pre_backward_apply_kernel", (_cdiv(c, apply_tile["BLOCK_C"]), apply_splits), x.device, x, grad,
+                grad_u, weight_operand, grad_z, row_coef, h_pre, h_res, grad_x, tokens, c, **apply_tile,
+                **operand_constexprs)
+        _launch("pre_backward_weight_kernel", (_cdiv(c, weight_tile["BLOCK_C"]), splits), x.device, x, grad_z,
+                grad_weight, tokens, c, **weight_tile, **operand_constexprs)
     return grad_x, grad_weight.sum(0), grad_scale.sum(0).view(scale.shape), grad_bias.sum(0).view(bias.shape)
 
 

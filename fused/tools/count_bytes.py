@@ -19,13 +19,15 @@ tile, and counts:
     branch is a stand-in whose own forward and backward are not counted.
 The per-token figure is the slope between two token counts (multiples of every tile's tokens), so
 traffic once per launch (the grad-weight partials' sum) does not count per token, and traffic once
-per program (the weight each program reads) does. Prints a markdown table; --json writes
+per token-block program (the weight each of pre's programs reads) does. Prints a markdown table; --json writes
 {residual: {stream_dtype: {"kernels", "executed", "loads": {name: per token}, "rereads": {name:
 {floor(log2(bytes between)): bytes per token}}, "torch", "forward", "backward", "total",
-"executed_total", "partials_at_m"}}}. The grad-W partials (one weight-sized partial per token
-split of the backward's apply kernel, so not in the slopes) are counted apart: one split's
-partial is the difference between two splits and one on the same tokens; times the model's
-splits over M's 16,384 tokens per micro-step, they are bytes per token at M.
+"executed_total", "per_split_at_m", "executed_per_split_at_m"}}}. What the backward moves once
+per token split, not per token, is counted with one split of each and apart: the grad-W kernel's
+weight-sized partial, written and summed ("per_split_at_m", unique, and executed), and the apply
+kernel's weight, which each split reads again (executed only: L2 holds it for all programs).
+One split's bytes are the difference between two splits and one on the same tokens; times the
+shipped splits over M's 16,384 tokens per micro-step, they are bytes per token at M.
 """
 
 import argparse
@@ -51,10 +53,15 @@ STREAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 N_STREAMS, WIDTH = 4, 768
 # Multiples of every kernel's BLOCK_T, so that per-block traffic (the weight read by each program) is in the slopes.
 TOKEN_COUNTS = (64, 128)
-UNIQUE_TOKEN_COUNTS = (32, 48)  # two and three blocks of COUNTING_BLOCK_T: enough for unique bytes
-COUNTING_BLOCK_T = 16  # unique bytes only (UNIQUE_TOKEN_COUNTS, the partials): few interpreted loop trips
+UNIQUE_TOKEN_COUNTS = (32, 64)  # one and two blocks of COUNTING_BLOCK_T: enough for unique bytes
+# Unique bytes only (UNIQUE_TOKEN_COUNTS, the split bytes): tokens per program at most this, for few
+# interpreted loop trips; a kernel's shipped BLOCK_T below it is kept, since its per-block outputs
+# (pre_backward_reduce's grad scale and grad bias) are unique bytes per block.
+COUNTING_BLOCK_T = 32
 M_TOKENS = 16 * 1024  # tokens per micro-step at M (16 x 1024), for the grad-W partials per token
-PARTIAL_TOKENS = 64  # four blocks of COUNTING_BLOCK_T: two splits of two blocks each
+PARTIAL_TOKENS = 64  # two blocks of COUNTING_BLOCK_T: two splits of one block each
+# The backward's kernels that split tokens, by the ops setting of their split count.
+SPLIT_KERNELS = {"WEIGHT_GRAD_SPLITS": "pre_backward_weight_kernel", "APPLY_TOKEN_SPLITS": "pre_backward_apply_kernel"}
 ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
 FILLS = {"new_zeros", "new_ones", "new_full", "zeros", "ones", "full", "zeros_like", "ones_like", "full_like"}
 
@@ -300,18 +307,19 @@ def reference_bytes_per_token(residual, stream_dtype, token_counts=TOKEN_COUNTS)
 
 
 @contextlib.contextmanager
-def counting_setup(splits=1, shipped_tiles=True):
-    """The interpreter for CPU tensors and `splits` grad-W token splits (one: the partials of grad W
-    have the same size at both token counts, and how many there are does not change bytes per
-    token). shipped_tiles False: one
-    channel block over all of C and COUNTING_BLOCK_T tokens per program in every kernel, for the
-    fewest interpreted loop trips when only unique bytes matter (each address counts once whatever
-    the tiles)."""
+def counting_setup(splits=None, shipped_tiles=True):
+    """The interpreter for CPU tensors and one token split of each split kernel, or `splits`
+    {ops setting: count} (one: what a split moves once is the same at both token counts and stays
+    out of the slopes; split_bytes counts it). shipped_tiles False: one channel block over all of
+    C and at most COUNTING_BLOCK_T tokens per program in every kernel, for the fewest interpreted
+    loop trips when only unique bytes matter."""
     fix_scalar_index()
     tiles = dict(ops.TILES) if shipped_tiles else {
-        kernel: dict(tile, BLOCK_T=COUNTING_BLOCK_T, BLOCK_C=1 << (WIDTH - 1).bit_length())
+        kernel: dict(tile, BLOCK_T=min(tile["BLOCK_T"], COUNTING_BLOCK_T), BLOCK_C=1 << (WIDTH - 1).bit_length())
         for kernel, tile in ops.TILES.items()}
-    settings = [(fused, "INTERPRET_ON_CPU", True), (ops, "WEIGHT_GRAD_SPLITS", splits), (ops, "TILES", tiles)]
+    splits = {setting: 1 for setting in SPLIT_KERNELS} | (splits or {})
+    settings = [(fused, "INTERPRET_ON_CPU", True), (ops, "TILES", tiles),
+                *((ops, setting, count) for setting, count in splits.items())]
     saved = [getattr(module, name) for module, name, _ in settings]
     for module, name, value in settings:
         setattr(module, name, value)
@@ -322,24 +330,31 @@ def counting_setup(splits=1, shipped_tiles=True):
             setattr(module, name, value)
 
 
-def phase_bytes(counted):
-    return sum(counted["kernels"].values()) + counted["torch"]
+def phase_bytes(counted, key="kernels"):
+    """Unique ("kernels") or executed bytes of the kernels, plus the torch ops' bytes."""
+    return sum(counted[key].values()) + counted["torch"]
 
 
-def partial_bytes(residual, stream_dtype):
-    """Bytes one grad-W token split's partial moves: the backward of PARTIAL_TOKENS tokens with two
-    splits minus with one."""
+def split_bytes(residual, stream_dtype, setting):
+    """(unique, executed) bytes one more token split of the ops setting adds: the backward of
+    PARTIAL_TOKENS tokens with two splits minus with one."""
     counts = {}
     for splits in (1, 2):
-        with counting_setup(splits, shipped_tiles=False):
-            counts[splits] = phase_bytes(count_connection(residual, stream_dtype, PARTIAL_TOKENS)["backward"])
-    return counts[2] - counts[1]
+        with counting_setup({setting: splits}, shipped_tiles=False):
+            counts[splits] = count_connection(residual, stream_dtype, PARTIAL_TOKENS)["backward"]
+    return tuple(phase_bytes(counts[2], key) - phase_bytes(counts[1], key) for key in ("kernels", "executed"))
 
 
-def partials_per_token_at_m(residual, stream_dtype):
-    """Bytes per token of the grad-W partials at M's tokens per micro-step, with the model's splits."""
-    splits = min(ops.WEIGHT_GRAD_SPLITS, M_TOKENS // ops.TILES["pre_backward_apply_kernel"]["BLOCK_T"])
-    return splits * partial_bytes(residual, stream_dtype) / M_TOKENS
+def per_split_bytes_per_token_at_m(residual, stream_dtype):
+    """(unique, executed) bytes per token at M's tokens per micro-step of what the split kernels move
+    once per split, with the shipped split counts."""
+    unique = executed = 0.0
+    for setting, kernel in SPLIT_KERNELS.items():
+        splits = min(getattr(ops, setting), M_TOKENS // ops.TILES[kernel]["BLOCK_T"])
+        one_unique, one_executed = split_bytes(residual, stream_dtype, setting)
+        unique += splits * one_unique / M_TOKENS
+        executed += splits * one_executed / M_TOKENS
+    return unique, executed
 
 
 def bytes_per_token(residual, stream_dtype, shipped_tiles=True):
@@ -373,14 +388,15 @@ def bytes_per_token(residual, stream_dtype, shipped_tiles=True):
 
 
 def count_all(residuals=VARIANTS, stream_dtypes=tuple(STREAM_DTYPES), shipped_tiles=True):
-    """{residual: {stream dtype: entry}}; each entry also has partials_at_m, the grad-W partials per
-    token at M (weight-sized, so outside the slopes; fp32 whatever the streams, so counted once per
-    variant, with fp32 streams)."""
+    """{residual: {stream dtype: entry}}; each entry also has per_split_at_m and
+    executed_per_split_at_m, what the split kernels move once per token split (unique, executed),
+    per token at M (weight-sized, so outside the slopes; the same whatever the streams, so counted
+    once per variant, with fp32 streams)."""
     counts = {}
     for residual in residuals:
-        partials = partials_per_token_at_m(residual, torch.float32)
+        unique, executed = per_split_bytes_per_token_at_m(residual, torch.float32)
         counts[residual] = {name: dict(bytes_per_token(residual, STREAM_DTYPES[name], shipped_tiles=shipped_tiles),
-                                       partials_at_m=partials)
+                                       per_split_at_m=unique, executed_per_split_at_m=executed)
                             for name in stream_dtypes}
     return counts
 
@@ -406,14 +422,14 @@ def markdown(counts):
                                       for k in e["kernels"]))  # in launch order
     header = ["residual", "streams", "forward KB", "backward KB", "total KB", "floor KB", "executed KB",
               *[f"{k.removesuffix('_kernel')} KB, executed" for k in kernel_names], "torch KB",
-              "grad-W partials at M KB"]
+              "once per split at M KB, executed"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for residual, per_dtype in counts.items():
         for dtype_name, e in per_dtype.items():
             row = [residual, dtype_name, kb(e["forward"]), kb(e["backward"]), kb(e["total"]),
                    kb(budget(STREAM_DTYPES[dtype_name])), kb(e.get("executed_total")),
                    *[f"{kb(e['kernels'].get(k, 0))}, {kb(e.get('executed', {}).get(k))}" for k in kernel_names],
-                   kb(e["torch"]), kb(e["partials_at_m"])]
+                   kb(e["torch"]), f"{kb(e['per_split_at_m'])}, {kb(e['executed_per_split_at_m'])}"]
             lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 

@@ -124,17 +124,21 @@ def counts():
 
 @pytest.mark.parametrize("stream_dtype", list(count_bytes.STREAM_DTYPES))
 @pytest.mark.parametrize("residual", count_bytes.VARIANTS)
-def test_bytes_per_token_within_the_two_pass_budget(counts, residual, stream_dtype):
-    """The forward within its share of the floor (3 nCs and the floor's 16 C of vectors); the backward's
-    second pass re-reads x and g (2 nCs more than the floor's 4 nCs): in all at most 1.3 x the floor."""
+def test_bytes_per_token_within_the_three_pass_backward_budget(counts, residual, stream_dtype):
+    """The forward within its share of the floor (3 nCs and the floor's 16 C of vectors). The backward
+    passes over the streams 7 times where the floor has 4: post_backward reads g, the reduce pass
+    reads x and g, the apply pass reads them again and writes grad x, the grad-W pass reads x a
+    third time (the price of keeping grad W's accumulators out of the apply kernel's registers);
+    grad u is read by both of the first two. In all at most the floor plus those 3 nCs and 4 C."""
     entry = counts[residual][stream_dtype]
     floor = count_bytes.budget(count_bytes.STREAM_DTYPES[stream_dtype])
     stream = count_bytes.N_STREAMS * count_bytes.WIDTH * torch.finfo(count_bytes.STREAM_DTYPES[stream_dtype]).bits // 8
     assert entry["forward"] <= 3 * stream + 16 * count_bytes.WIDTH, f"{residual} {stream_dtype}: {entry['forward']:.0f}"
-    assert entry["backward"] <= 6 * stream + 16 * count_bytes.WIDTH, f"{residual} {stream_dtype}: {entry['backward']:.0f}"
-    assert entry["total"] <= 1.3 * floor, f"{residual} {stream_dtype}: {entry['total']:.0f} > 1.3 x {floor} bytes per token"
+    assert entry["backward"] <= 7 * stream + 16 * count_bytes.WIDTH, f"{residual} {stream_dtype}: {entry['backward']:.0f}"
+    assert entry["total"] <= floor + 3 * stream + 4 * 4 * count_bytes.WIDTH, \
+        f"{residual} {stream_dtype}: {entry['total']:.0f} > {floor} + 3 nCs + 4 C bytes per token"
     assert set(entry["kernels"]) == {"pre_kernel", "post_kernel", "post_backward_kernel", "pre_backward_reduce_kernel",
-                                     "pre_backward_apply_kernel"}
+                                     "pre_backward_apply_kernel", "pre_backward_weight_kernel"}
     assert entry["total"] == pytest.approx(entry["forward"] + entry["backward"])
     assert entry["forward"] + entry["backward"] == pytest.approx(sum(entry["kernels"].values()) + entry["torch"])
     # The floor's own terms: x read twice and x_next written once forward, 4 full passes backward.
@@ -148,7 +152,8 @@ def test_cli_writes_the_json_schema(tmp_path, capsys, monkeypatch, counts):
     count_bytes.main(["--json", str(path), "--residuals", "mhclite", "--stream_dtypes", "bfloat16"])
     data = json.loads(path.read_text())
     assert list(data) == ["mhclite"] and list(data["mhclite"]) == ["bfloat16"]
-    assert set(data["mhclite"]["bfloat16"]) == {"kernels", "torch", "forward", "backward", "total", "partials_at_m"}
+    assert set(data["mhclite"]["bfloat16"]) == {"kernels", "torch", "forward", "backward", "total", "per_split_at_m",
+                                                "executed_per_split_at_m"}
     assert "| mhclite | bfloat16 |" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         count_bytes.main(["--residuals", "res"])
@@ -162,7 +167,7 @@ def test_the_kernel_bytes_file_the_gpu_check_carries_is_a_fresh_count(counts):
     for residual, per_dtype in counts.items():
         for dtype, entry in per_dtype.items():
             assert carried[residual][dtype]["kernels"] == pytest.approx(entry["kernels"]), (residual, dtype)
-            for key in ("total", "partials_at_m"):
+            for key in ("total", "per_split_at_m", "executed_per_split_at_m"):
                 assert carried[residual][dtype][key] == pytest.approx(entry[key]), (residual, dtype, key)
 
 
@@ -184,28 +189,38 @@ def test_the_executed_bytes_in_the_kernel_bytes_file_are_a_fresh_count(residual,
 
 
 def test_the_backward_kernels_execute_little_beyond_their_unique_bytes():
-    """No weight-sized partial re-read per token block: the pre side's backward kernels execute at
-    most 1.15 x the bytes they touch (the rest: each channel block's per-token coefficients and its
-    weight slice), where the single kernel they replaced executed 3.5 x. From the carried file,
-    which test_the_executed_bytes_in_the_kernel_bytes_file_are_a_fresh_count keeps fresh."""
+    """No weight-sized partial re-read per token block (the single kernel these replaced executed 3.5 x
+    its unique bytes, 49 KB per token of it such re-reads): beyond the bytes they touch, the pre
+    side's backward kernels execute only the re-reads of each token's coefficient record (grad z,
+    the row term, h_pre, h_res: at most 64 fp32), one per further channel block, and the reduce
+    kernel a few hundred bytes. From the carried file, which
+    test_the_executed_bytes_in_the_kernel_bytes_file_are_a_fresh_count keeps fresh."""
     carried = bench_kernels.read_kernel_bytes(bench_kernels.KERNEL_BYTES)
-    backward = ("pre_backward_reduce_kernel", "pre_backward_apply_kernel")
+    record = 64 * 4
     for residual, per_dtype in carried.items():
         for stream_dtype, entry in per_dtype.items():
-            executed = sum(entry["executed"][k] for k in backward)
-            unique = sum(entry["kernels"][k] for k in backward)
-            assert executed <= 1.15 * unique, (residual, stream_dtype, executed, unique)
+            extra = {k: entry["executed"][k] - entry["kernels"][k] for k in entry["kernels"]}
+            assert extra["pre_backward_reduce_kernel"] <= 0.5 * record, (residual, stream_dtype, extra)
+            for kernel in ("pre_backward_apply_kernel", "pre_backward_weight_kernel"):
+                channel_blocks = -(-count_bytes.WIDTH // ops.TILES[kernel]["BLOCK_C"])
+                assert extra[kernel] <= (channel_blocks - 1) * record, (residual, stream_dtype, kernel, extra)
 
 
 @pytest.mark.parametrize("residual", count_bytes.VARIANTS)
-def test_grad_weight_partials_are_written_and_summed_once(counts, residual):
-    """Each grad-W token split of the backward's apply kernel writes its partial once (no zero fill,
-    never re-read per token block) and the sum reads it once: at M's tokens per micro-step that is
-    partials_at_m."""
+def test_each_token_split_moves_its_weight_sized_bytes_once(counts, residual):
+    """Each token split of the grad-W kernel writes its partial once (no zero fill, never re-read
+    per token block) and the sum reads it once: at M's tokens per micro-step that is per_split_at_m;
+    each token split of the apply kernel also reads the weight (bf16 under autocast) once, which
+    executed_per_split_at_m counts beside the partials (L2 holds it for all: no unique bytes)."""
     module = RESIDUALS[residual](count_bytes.WIDTH, count_bytes.N_STREAMS, 1)
     _, weight, _, _, _, _ = fused.packed_parameters(module)
-    splits = min(ops.WEIGHT_GRAD_SPLITS, count_bytes.M_TOKENS // ops.TILES["pre_backward_apply_kernel"]["BLOCK_T"])
+    at_m = lambda setting, kernel: min(getattr(ops, setting), count_bytes.M_TOKENS // ops.TILES[kernel]["BLOCK_T"])  # noqa: E731
+    weight_splits = at_m("WEIGHT_GRAD_SPLITS", "pre_backward_weight_kernel")
+    apply_splits = at_m("APPLY_TOKEN_SPLITS", "pre_backward_apply_kernel")
     one_split = ops.partial_bytes_per_split(weight)
     assert one_split == 2 * weight.numel() * 4
     for stream_dtype in count_bytes.STREAM_DTYPES:
-        assert counts[residual][stream_dtype]["partials_at_m"] == splits * one_split / count_bytes.M_TOKENS
+        entry = counts[residual][stream_dtype]
+        assert entry["per_split_at_m"] == weight_splits * one_split / count_bytes.M_TOKENS
+        assert entry["executed_per_split_at_m"] == (
+            (weight_splits * one_split + apply_splits * 2 * weight.numel()) / count_bytes.M_TOKENS)

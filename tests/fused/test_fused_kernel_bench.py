@@ -86,10 +86,10 @@ def test_kernels_table_has_every_launch_with_its_counted_bytes(tmp_path, capsys)
 
 
 def test_the_backward_is_timed_with_each_split_count_capped_at_the_token_blocks(monkeypatch):
-    """48 tokens are three apply blocks: split counts 1, 2 and 3 (every larger one capped at 3, the
+    """48 tokens are three grad-W blocks: split counts 1, 2 and 3 (every larger one capped at 3, the
     default's row), each with its partials' bytes, and the module's split count restored."""
     monkeypatch.setattr(bench_kernels, "SPLIT_COUNTS", (1, 2, 16))
-    monkeypatch.setitem(ops.TILES, "pre_backward_apply_kernel", dict(ops.TILES["pre_backward_apply_kernel"], BLOCK_T=16))
+    monkeypatch.setitem(ops.TILES, "pre_backward_weight_kernel", dict(ops.TILES["pre_backward_weight_kernel"], BLOCK_T=16))
     args = bench_kernels.resolve(bench_kernels.parse_args(
         ["--size", "tiny", "--device", DEVICE, "--batch_size", "1", "--block_size", "48", "--steps", "1",
          "--warmup", "0", "--residuals", "hc", "--dtype", "float32"]))
