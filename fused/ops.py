@@ -30,13 +30,13 @@ from residuals import RMS_EPS
 STREAMS = 4  # the kernels are written for n = 4 streams
 MIN_SINKHORN_ITERS = 4  # the Sinkhorn backward keeps four checkpoints
 
-# Each kernel's tile (constexprs: tokens per program, channels per loop step or per program in
-# pre_backward_apply) and warps: post and post_backward the fastest setting of `python -m
-# benchmarks.kernel_tiles --size M` on an H100 (docs/benchmarks.md); pre and pre_backward's two
-# kernels chosen on CPU by python -m fused.tools.latency (pre: 16 tokens, so that the resident
-# programs' x tiles fit in L2 for the re-read), not yet timed on a GPU. None spills registers on
-# sm_80 or sm_90 (python -m fused.tools.resources; pre_backward_apply only without software
-# pipelining). tl.dot needs 16 or more tokens and channels in the pre kernels.
+# Each kernel's tile (constexprs: tokens per program or per loop step, channels per loop step or per
+# program) and warps: post and post_backward the fastest setting of `python -m
+# benchmarks.kernel_tiles --size M` on an H100 (docs/benchmarks.md); pre and pre_backward's three
+# kernels chosen on CPU with python -m fused.tools.latency and fused.tools.resources (pre: 16
+# tokens, so that the resident programs' x tiles fit in L2 for the re-read; the backward's: the
+# largest tiles that keep 2 CTAs per SM on sm_90), not yet timed on a GPU. None spills registers
+# on sm_80 or sm_90 (python -m fused.tools.resources). tl.dot needs 16 or more tokens and channels.
 TILES = {"pre_kernel": dict(BLOCK_T=16, BLOCK_C=64, num_warps=8),
          "post_kernel": dict(BLOCK_T=4, BLOCK_C=256, num_warps=4),
          "post_backward_kernel": dict(BLOCK_T=8, BLOCK_C=128, num_warps=4),
@@ -48,6 +48,10 @@ TILES = {"pre_kernel": dict(BLOCK_T=16, BLOCK_C=64, num_warps=8),
 # and the shipped tiles spill (the backward's under triton 3.6 on sm_80).
 UNALIGNED_PRE_BLOCK_C = 32
 UNALIGNED_BACKWARD_BLOCK_C = 16
+UNALIGNED_REDUCE_BLOCK_T = 16  # mhc's reduce kernel spills 8 B on sm_90 at 32 tokens there
+# The grad-W kernel's fp32 x fp32 products (no bf16 autocast) need more registers per token: with
+# bf16 streams they spill at 32 tokens per step.
+FP32_OPERANDS_WEIGHT_BLOCK_T = 16
 # hc's pre projects (token, stream) rows, so tl.dot's 16 rows take 4 tokens; its lighter program
 # keeps more of them resident per SM, so fewer tokens each keep their x tiles in L2 for the re-read.
 HC_PRE_BLOCK_T = 8
@@ -226,6 +230,9 @@ def connection_pre_backward(x: torch.Tensor, grad: torch.Tensor, grad_u: torch.T
     if c % 16:
         for tile in (reduce_tile, apply_tile, weight_tile):
             tile["BLOCK_C"] = min(tile["BLOCK_C"], UNALIGNED_BACKWARD_BLOCK_C)
+        reduce_tile["BLOCK_T"] = min(reduce_tile["BLOCK_T"], UNALIGNED_REDUCE_BLOCK_T)
+    if not bf16_operands:
+        weight_tile["BLOCK_T"] = min(weight_tile["BLOCK_T"], FP32_OPERANDS_WEIGHT_BLOCK_T)
     blocks = _cdiv(tokens, reduce_tile["BLOCK_T"])
     splits = min(WEIGHT_GRAD_SPLITS, _cdiv(tokens, weight_tile["BLOCK_T"]))
     # Every reduce program and every grad-W program (splits <= token blocks) writes its whole slice: no zero fill.
