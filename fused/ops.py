@@ -49,9 +49,10 @@ TILES = {"pre_kernel": dict(BLOCK_T=16, BLOCK_C=64, num_warps=8),
 UNALIGNED_PRE_BLOCK_C = 32
 UNALIGNED_BACKWARD_BLOCK_C = 16
 UNALIGNED_REDUCE_BLOCK_T = 16  # mhc's reduce kernel spills 8 B on sm_90 at 32 tokens there
-# The grad-W kernel's fp32 x fp32 products (no bf16 autocast) need more registers per token: with
-# bf16 streams they spill at 32 tokens per step.
+# fp32 x fp32 products (no bf16 autocast) need more registers: the grad-W kernel's spill at 32
+# tokens per step with bf16 streams, pre's at 64 channels per step under triton 3.6.
 FP32_OPERANDS_WEIGHT_BLOCK_T = 16
+FP32_OPERANDS_PRE_BLOCK_C = 32
 # hc's pre projects (token, stream) rows, so tl.dot's 16 rows take 4 tokens; its lighter program
 # keeps more of them resident per SM, so fewer tokens each keep their x tiles in L2 for the re-read.
 HC_PRE_BLOCK_T = 8
@@ -193,6 +194,8 @@ def connection_pre(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
             tile["BLOCK_T"] = min(tile["BLOCK_T"], HC_PRE_BLOCK_T)
         if variant == "mhc":
             tile["BLOCK_C"] = min(tile["BLOCK_C"], MHC_PRE_BLOCK_C)
+        if not bf16_operands:
+            tile["BLOCK_C"] = min(tile["BLOCK_C"], FP32_OPERANDS_PRE_BLOCK_C)
         # Cast once here, not by every program: rounds as the kernel's own cast to bf16 operands would.
         weight_operand = (weight.to(torch.bfloat16) if bf16_operands else weight).contiguous()
         _launch("pre_kernel", (_cdiv(tokens, tile["BLOCK_T"]),), x.device, x, weight_operand, scale, bias, perms,
