@@ -38,8 +38,8 @@ from .common import (HC_FAMILY, BenchError, add_shared_flag, environment, fmt, i
 TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fused", "tools")
 KERNEL_BYTES = os.path.join(TOOLS, "kernel_bytes.json")
 PREDICTED_TIMES = os.path.join(TOOLS, "predicted_times.json")
-# Token splits of the backward's apply kernel (each with its own weight-sized grad-W partial) timed
-# against the default, to choose between fewer partials and more of the GPU busy in the backward.
+# Token splits of the backward's grad-W kernel (each with its own weight-sized partial) timed against
+# the default, to choose between fewer partials and more of the GPU busy in the backward.
 SPLIT_COUNTS = (4, 8, 16, 32)
 DRY_RUN_NOTE = ", CPU DRY RUN in Triton's interpreter: the times are not GPU times"
 

@@ -3,7 +3,7 @@ calls when fused_connections=True.
 
 `connection_forward(module, x, branch)` computes what `module(x, branch)` computes in residuals.py
 (StreamConnection.forward) for n = 4 streams, in two custom ops around the branch (ops.py), each
-with one forward kernel and its backward kernels (kernels.py; connection_pre's backward takes two):
+with one forward kernel and its backward kernels (kernels.py; connection_pre's backward takes three):
 
     u, h_pre, h_post, h_res, z, rms_inv, next_grad = connection_pre(x, weight, scale, bias, ...)
     y      = branch(u)

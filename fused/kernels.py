@@ -459,7 +459,7 @@ def pre_backward_reduce_kernel(x_ptr, grad_ptr, grad_u_ptr, grad_h_post_ptr, sca
 @triton.jit
 def pre_backward_apply_kernel(x_ptr, grad_ptr, grad_u_ptr, weight_ptr, grad_z_ptr, row_coef_ptr, h_pre_ptr, h_res_ptr,
                               grad_x_ptr, T, C, VARIANT: tl.constexpr, RES: tl.constexpr, OPERANDS: tl.constexpr,
-                              BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, RES_BLOCK: tl.constexpr):
+                              BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, LOGITS_BLOCK: tl.constexpr):
     """The second pass, one program per BLOCK_C channels (of every stream) and token split: its
     slice of the weight (bf16 when the GEMM takes bf16 operands, cast once by the caller) stays in
     registers while it walks the split's token blocks (every num_programs(1)-th one) and writes
@@ -482,18 +482,14 @@ def pre_backward_apply_kernel(x_ptr, grad_ptr, grad_u_ptr, weight_ptr, grad_z_pt
     else:
         LOGITS: tl.constexpr = 2 * STREAMS + RES
         D = STREAMS * C
-        pair = tl.arange(0, PAIR_LOGITS)
-        res = tl.arange(0, RES_BLOCK)
-        pair_ok = pair < 2 * STREAMS
-        res_ok = res < RES
+        logit = tl.arange(0, LOGITS_BLOCK)  # every logit at once: [pre | post | res]
+        logit_ok = logit < LOGITS
         depth_in_block = tl.arange(0, STREAMS * BLOCK_C)  # (stream, channel) within the channel block
         channel = start + depth_in_block % BLOCK_C
         channel_ok = channel < C
         depth = (depth_in_block // BLOCK_C) * C + channel
-        weight_pair = tl.load(weight_ptr + pair[:, None] * D + depth[None, :],
-                              mask=pair_ok[:, None] & channel_ok[None, :], other=0.0)
-        weight_res = tl.load(weight_ptr + (2 * STREAMS + res[:, None]) * D + depth[None, :],
-                             mask=res_ok[:, None] & channel_ok[None, :], other=0.0)
+        weight = tl.load(weight_ptr + logit[:, None] * D + depth[None, :], mask=logit_ok[:, None] & channel_ok[None, :],
+                         other=0.0)
     for block in range(split, tl.cdiv(T, BLOCK_T), tl.num_programs(1)):
         token = block * BLOCK_T + tl.arange(0, BLOCK_T)
         token_ok = token < T
@@ -520,15 +516,12 @@ def pre_backward_apply_kernel(x_ptr, grad_ptr, grad_u_ptr, weight_ptr, grad_z_pt
                          + tl.reshape(x, (BLOCK_T * STREAMS, BLOCK_C)) * row_coef[:, None])
             grad_rows = dot_accumulate(grad_z, weight, grad_rows, OPERANDS)
         else:
-            grad_z_pair = tl.load(grad_z_ptr + token[:, None] * LOGITS + pair[None, :],
-                                  mask=token_ok[:, None] & pair_ok[None, :], other=0.0)
-            grad_z_res = tl.load(grad_z_ptr + token[:, None] * LOGITS + 2 * STREAMS + res[None, :],
-                                 mask=token_ok[:, None] & res_ok[None, :], other=0.0)
+            grad_z = tl.load(grad_z_ptr + token[:, None] * LOGITS + logit[None, :],
+                             mask=token_ok[:, None] & logit_ok[None, :], other=0.0)
             row_coef = tl.load(row_coef_ptr + token, mask=token_ok, other=0.0)
             grad_rows = (tl.reshape(mixing, (BLOCK_T, STREAMS * BLOCK_C))
                          + tl.reshape(x, (BLOCK_T, STREAMS * BLOCK_C)) * row_coef[:, None])
-            grad_rows = dot_accumulate(grad_z_pair, weight_pair, grad_rows, OPERANDS)
-            grad_rows = dot_accumulate(grad_z_res, weight_res, grad_rows, OPERANDS)
+            grad_rows = dot_accumulate(grad_z, weight, grad_rows, OPERANDS)
         tl.store(grad_x_ptr + tile, tl.reshape(grad_rows, (BLOCK_T, STREAMS, BLOCK_C)).to(grad_x_ptr.dtype.element_ty),
                  mask=tile_ok)
 
@@ -536,7 +529,7 @@ def pre_backward_apply_kernel(x_ptr, grad_ptr, grad_u_ptr, weight_ptr, grad_z_pt
 @triton.jit
 def pre_backward_weight_kernel(x_ptr, grad_z_ptr, grad_weight_ptr, T, C, VARIANT: tl.constexpr, RES: tl.constexpr,
                                OPERANDS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-                               RES_BLOCK: tl.constexpr):
+                               LOGITS_BLOCK: tl.constexpr):
     """grad W = grad z^T x, split over tokens: one program per BLOCK_C channels (of every stream) and
     token split sums grad z^T x over the split's token blocks (every num_programs(1)-th one) on chip
     and stores its slice of the split's weight-sized partial once (the caller sums the splits in a
@@ -564,28 +557,20 @@ def pre_backward_weight_kernel(x_ptr, grad_z_ptr, grad_weight_ptr, T, C, VARIANT
     else:
         LOGITS: tl.constexpr = 2 * STREAMS + RES
         D = STREAMS * C
-        pair = tl.arange(0, PAIR_LOGITS)
-        res = tl.arange(0, RES_BLOCK)
-        pair_ok = pair < 2 * STREAMS
-        res_ok = res < RES
+        logit = tl.arange(0, LOGITS_BLOCK)  # every logit at once: [pre | post | res]
+        logit_ok = logit < LOGITS
         depth_in_block = tl.arange(0, STREAMS * BLOCK_C)  # (stream, channel) within the channel block
         channel = start + depth_in_block % BLOCK_C
         channel_ok = channel < C
         depth = (depth_in_block // BLOCK_C) * C + channel
-        acc_pair = tl.zeros((PAIR_LOGITS, STREAMS * BLOCK_C), dtype=tl.float32)
-        acc_res = tl.zeros((RES_BLOCK, STREAMS * BLOCK_C), dtype=tl.float32)
+        acc = tl.zeros((LOGITS_BLOCK, STREAMS * BLOCK_C), dtype=tl.float32)
         for block in range(split, tl.cdiv(T, BLOCK_T), tl.num_programs(1)):
             token = block * BLOCK_T + tl.arange(0, BLOCK_T)
             token_ok = token < T
-            grad_z_pair = tl.load(grad_z_ptr + token[:, None] * LOGITS + pair[None, :],
-                                  mask=token_ok[:, None] & pair_ok[None, :], other=0.0)
-            grad_z_res = tl.load(grad_z_ptr + token[:, None] * LOGITS + 2 * STREAMS + res[None, :],
-                                 mask=token_ok[:, None] & res_ok[None, :], other=0.0)
+            grad_z = tl.load(grad_z_ptr + token[:, None] * LOGITS + logit[None, :],
+                             mask=token_ok[:, None] & logit_ok[None, :], other=0.0)
             rows = tl.load(x_ptr + token.to(tl.int64)[:, None] * D + depth[None, :],
                            mask=token_ok[:, None] & channel_ok[None, :], other=0.0).to(tl.float32)
-            acc_pair = dot_accumulate(tl.trans(grad_z_pair), rows, acc_pair, OPERANDS)
-            acc_res = dot_accumulate(tl.trans(grad_z_res), rows, acc_res, OPERANDS)
-        partial = grad_weight_ptr + split.to(tl.int64) * LOGITS * D
-        tl.store(partial + pair[:, None] * D + depth[None, :], acc_pair, mask=pair_ok[:, None] & channel_ok[None, :])
-        tl.store(partial + (2 * STREAMS + res[:, None]) * D + depth[None, :], acc_res,
-                 mask=res_ok[:, None] & channel_ok[None, :])
+            acc = dot_accumulate(tl.trans(grad_z), rows, acc, OPERANDS)
+        tl.store(grad_weight_ptr + split.to(tl.int64) * LOGITS * D + logit[:, None] * D + depth[None, :], acc,
+                 mask=logit_ok[:, None] & channel_ok[None, :])

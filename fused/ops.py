@@ -8,14 +8,16 @@ h_pre[j] x[j]. connection_post computes x_next = h_res x + h_post y from x and s
 dtype. Backward: connection_post's backward kernel (before the branch's backward) makes grad y and
 grad h_post; it hands the incoming gradient g on, untouched, as the gradient of `next_grad`, a
 zero-storage output of connection_pre of x's shape, so that connection_pre's backward (after the
-branch's backward) has g, grad u and x together, in two kernels: a reduce kernel over token blocks
-makes the coefficient gradients and runs the coefficient math backward in registers (mhc:
+branch's backward) has g, grad u and x together, in three kernels: a reduce kernel over token
+blocks makes the coefficient gradients and runs the coefficient math backward in registers (mhc:
 Sinkhorn recomputed from checkpoints), storing per token the projection's gradient grad z; an
 apply kernel over channel blocks writes grad x once with the mixing, projection and RMS terms in
-it, while each program sums its slice of the projection weight's gradient over its token split on
-chip (the splits summed by one small torch reduction, in a fixed order). No autograd add of two
-full-size gradients, no cast copy of x, no weight-sized partial re-read per token block. Saved for backward: x and per token O(n^2)
-floats (z, rms_inv), nothing n x C wide. Bytes per token: docs/benchmarks.md (python -m fused.tools.count_bytes).
+it; a grad-W kernel over channel blocks sums grad z^T x over each token split on chip (the splits
+summed by one small torch reduction, in a fixed order). grad W has its own kernel, which reads x
+once more, so that neither kernel holds both the weight slice and grad W's accumulators (the
+apply kernel's registers then allow two CTAs per SM, not one). No autograd add of two full-size
+gradients, no cast copy of x, no weight-sized partial re-read per token block. Saved for
+backward: x and per token O(n^2) floats (z, rms_inv), nothing n x C wide. Bytes per token: docs/benchmarks.md (python -m fused.tools.count_bytes).
 
 Every kernel launch goes through `_launch`; `launch_hook` lets a tool see (and run, or not) each one.
 """
@@ -223,8 +225,9 @@ def connection_pre_backward(x: torch.Tensor, grad: torch.Tensor, grad_u: torch.T
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad x in x's dtype, grad weight, grad scale, grad bias) of the connection, from the
     gradient g of its output (grad), grad u and grad h_post (connection_post_backward): a reduce
-    kernel per token block, then an apply kernel per channel block and token split; grad W, grad
-    scale and grad bias are sums of partials in a fixed order, the same bits on every run."""
+    kernel per token block, then the apply and grad-W kernels per channel block and token split;
+    grad W, grad scale and grad bias are sums of partials in a fixed order, the same bits on every
+    run."""
     x, grad, grad_u, grad_h_post = (t.contiguous() for t in (x, grad, grad_u, grad_h_post))
     tokens, n, c = x.shape
     grad_x = torch.empty_like(x)
@@ -253,7 +256,9 @@ def connection_pre_backward(x: torch.Tensor, grad: torch.Tensor, grad_u: torch.T
                 **{k: v for k, v in constexprs.items() if k != "OPERANDS"})
         apply_splits = min(APPLY_TOKEN_SPLITS, _cdiv(tokens, apply_tile["BLOCK_T"]))
         weight_operand = (weight.to(torch.bfloat16) if bf16_operands else weight).contiguous()  # as in connection_pre
-        operand_constexprs = {k: v for k, v in constexprs.items() if k != "ITERS"}
+        # The apply and grad-W kernels take all of mhc's and mhclite's logits as one tile.
+        operand_constexprs = dict(VARIANT=variant, RES=constexprs["RES"], OPERANDS=constexprs["OPERANDS"],
+                                  LOGITS_BLOCK=max(16, _power_of_two_at_least(weight.shape[0])))
         _launch("pre_backward_apply_kernel", (_cdiv(c, apply_tile["BLOCK_C"]), apply_splits), x.device, x, grad,
                 grad_u, weight_operand, grad_z, row_coef, h_pre, h_res, grad_x, tokens, c, **apply_tile,
                 **operand_constexprs)

@@ -23,7 +23,7 @@ it derives
     unhidden (Little's law); "bound" names the larger of the two.
 COPY_BANDWIDTH is the copy measured on the H200; STEP_LATENCY the one free parameter, fitted
 (least squares on log time) to the GPU times of docs/benchmarks.md, each kept with the CPU profile
-of the kernel that ran (calibration.json: the kernels before pre_backward was split in two),
+of the kernel that ran (calibration.json: the kernels before pre_backward was split up),
 against which the tool prints every prediction, with the rank-order agreement. Exit code 2 without triton, ptxas or
 cuobjdump, or with TRITON_INTERPRET=1 (compiling needs triton's compiler).
 """
