@@ -40,8 +40,7 @@ QUICK = {kernel: {key: values[:2] for key, values in sweep.items()} for kernel, 
 OUTPUTS = {"pre_kernel": ("u_ptr", "h_pre_ptr", "h_post_ptr", "h_res_ptr", "z_ptr", "rms_inv_ptr"),
            "post_kernel": ("out_ptr",),
            "post_backward_kernel": ("grad_y_ptr", "grad_h_post_ptr"),
-           "pre_backward_reduce_kernel": ("grad_z_ptr", "row_coef_ptr", "h_pre_ptr", "h_res_ptr", "grad_scale_ptr",
-                                          "grad_bias_ptr"),
+           "pre_backward_reduce_kernel": ("grad_z_ptr", "coefs_ptr", "grad_scale_ptr", "grad_bias_ptr"),
            "pre_backward_apply_kernel": ("grad_x_ptr",),
            "pre_backward_weight_kernel": ("grad_weight_ptr",)}
 PARTIALS = ("grad_weight_ptr", "grad_scale_ptr", "grad_bias_ptr")  # one slice per token block or split

@@ -8,9 +8,9 @@ output element; VARIANT is "hc", "mhc" or "mhclite"):
     post           x, h_res, h_post, y -> x_next              x_next[i] = sum_j h_res[i, j] x[j] + h_post[i] y
     post_backward  g = grad x_next, y -> grad y, grad h_post  before the branch's backward
     pre_backward_reduce  x, g, grad u, grad h_post ->        after it, per token block: coefficient grads,
-                   grad z, row term, h_pre, h_res, and        coefficient-math backward in registers
-                   the block's grad scale and grad bias
-    pre_backward_apply   x, g, grad u, grad z, ... ->         per channel block and token split: grad x
+                   grad z, grad x's coefficients, and the     coefficient-math backward in registers
+                   block's grad scale and grad bias
+    pre_backward_apply   x, g, grad u, grad z, coefs ->       per channel block and token split: grad x
                    grad x                                     written once (mixing, projection and RMS terms)
     pre_backward_weight  x, grad z -> the split's partial     per channel block and token split: grad W's
                    of grad W                                  slice summed on chip
@@ -33,6 +33,10 @@ import triton.language as tl
 STREAMS: tl.constexpr = tl.constexpr(4)
 PAIR_LOGITS: tl.constexpr = tl.constexpr(16)  # mhc/mhclite pre and post logits (2n = 8), padded for tl.dot
 HC_LOGITS: tl.constexpr = tl.constexpr(16)  # hc logits per stream (n + 2 = 6), padded for tl.dot
+# Per token, the coefficients of grad x[j]'s terms, one row each: h_pre[j] of grad u, h_res[i, j] of
+# g[i] (n rows), the RMS row term r[j] of x[j]; the tile pads the n + 2 rows to 8.
+GRAD_X_TERMS: tl.constexpr = tl.constexpr(6)
+GRAD_X_TERMS_BLOCK: tl.constexpr = tl.constexpr(8)
 
 
 @triton.jit
@@ -357,27 +361,36 @@ def mixing_grads(x_ptr, grad_ptr, grad_u_ptr, token, token_ok, C, BLOCK_C: tl.co
 
 
 @triton.jit
-def mixing_grad_x(grad, grad_u, h_pre, h_res):
-    """The mixing's part of grad x[j] for a (T, n, BLOCK_C) tile of g: h_pre[j] grad u + sum_i h_res[i, j] g[i]."""
+def coefficient_row(coefs, term):
+    """Row `term` of a (T, GRAD_X_TERMS_BLOCK, n) tile of grad x's coefficients, as (T, n)."""
+    row = tl.arange(0, GRAD_X_TERMS_BLOCK)
+    return tl.sum(tl.where(row[None, :, None] == term, coefs, 0.0), axis=1)
+
+
+@triton.jit
+def grad_x_terms(coefs, grad, grad_u, x):
+    """grad x[j] but the projection's term, for (T, n, BLOCK_C) tiles of g and x: h_pre[j] grad u +
+    sum_i h_res[i, j] g[i] + r[j] x[j], with coefs the (T, GRAD_X_TERMS_BLOCK, n) coefficients."""
     stream = tl.arange(0, STREAMS)
-    out = h_pre[:, :, None] * grad_u[:, None, :]
+    out = coefficient_row(coefs, 0)[:, :, None] * grad_u[:, None, :]
+    out += coefficient_row(coefs, STREAMS + 1)[:, :, None] * x
     for i in tl.static_range(STREAMS):  # stream by stream: (T, n, BLOCK_C) tiles, not (T, n, n, BLOCK_C)
         grad_i = tl.sum(tl.where(stream[None, :, None] == i, grad, 0.0), axis=1)  # g[:, i, :]
-        h_res_i = tl.sum(tl.where(stream[None, :, None] == i, h_res, 0.0), axis=1)  # h_res[:, i, :]
-        out += h_res_i[:, :, None] * grad_i[:, None, :]
+        out += coefficient_row(coefs, 1 + i)[:, :, None] * grad_i[:, None, :]
     return out
 
 
 @triton.jit
 def pre_backward_reduce_kernel(x_ptr, grad_ptr, grad_u_ptr, grad_h_post_ptr, scale_ptr, bias_ptr, perm_ptr, z_ptr,
-                               rms_inv_ptr, grad_z_ptr, row_coef_ptr, h_pre_ptr, h_res_ptr, grad_scale_ptr,
+                               rms_inv_ptr, grad_z_ptr, coefs_ptr, grad_scale_ptr,
                                grad_bias_ptr, T, C, VARIANT: tl.constexpr, RES: tl.constexpr, ITERS: tl.constexpr,
                                BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, RES_BLOCK: tl.constexpr):
     """After the branch's backward, the first of two passes, one program per BLOCK_T tokens:
     recomputes the coefficients from z and rms_inv, reduces the mixing's coefficient grads over the
     channels, runs the coefficient math backward in registers and stores, per token, what the apply
-    pass needs: the projection's gradient grad z (before the RMS factor), the RMS row term's
-    coefficient, h_pre and h_res; and its token block's grad scale and grad bias.
+    pass needs: the projection's gradient grad z (before the RMS factor) and the coefficients of
+    grad x's other terms (GRAD_X_TERMS rows: h_pre, h_res, the RMS row term); and its token
+    block's grad scale and grad bias.
     Per token: reads x and g (2 nCs), grad u (4C) and O(n^2) floats; writes O(n^2) floats."""
     program = tl.program_id(0)
     stream = tl.arange(0, STREAMS)
@@ -406,10 +419,9 @@ def pre_backward_reduce_kernel(x_ptr, grad_ptr, grad_u_ptr, grad_h_post_ptr, sca
         tl.store(grad_bias_ptr + program * STREAMS * (STREAMS + 2) + stream[:, None] * (STREAMS + 2) + k[None, :],
                  tl.sum(grad_a, axis=0), mask=k_ok[None, :])
         grad_zr = grad_a * scale[None, None, :] * (1 - t * t)
-        row_coef = -tl.sum(grad_zr * z3, axis=2) * rms_inv3 * rms_inv3 * rms_inv3 / C
+        row_term = -tl.sum(grad_zr * z3, axis=2) * rms_inv3 * rms_inv3 * rms_inv3 / C
         grad_z = tl.reshape(grad_zr * rms_inv3[:, :, None], (BLOCK_T * STREAMS, HC_LOGITS))
         tl.store(grad_z_ptr + row[:, None] * (STREAMS + 2) + k[None, :], grad_z, mask=row_ok[:, None] & k_ok[None, :])
-        tl.store(row_coef_ptr + row, tl.reshape(row_coef, (BLOCK_T * STREAMS,)), mask=row_ok)
     else:
         LOGITS: tl.constexpr = 2 * STREAMS + RES
         D = STREAMS * C
@@ -446,19 +458,20 @@ def pre_backward_reduce_kernel(x_ptr, grad_ptr, grad_u_ptr, grad_h_post_ptr, sca
         grad_pair = grad_pair * scale_pair[None, :]
         grad_res = grad_res * scale_res[None, :]
         grad_rms = tl.sum(grad_pair * z_pair, axis=1) + tl.sum(grad_res * z_res, axis=1)
-        tl.store(row_coef_ptr + token, -grad_rms * rms_inv * rms_inv * rms_inv / D, mask=token_ok)
+        row_term = tl.broadcast_to((-grad_rms * rms_inv * rms_inv * rms_inv / D)[:, None], (BLOCK_T, STREAMS))
         tl.store(grad_z_ptr + token[:, None] * LOGITS + pair[None, :], grad_pair * rms_inv[:, None],
                  mask=token_ok[:, None] & pair_ok[None, :])
         tl.store(grad_z_ptr + token[:, None] * LOGITS + 2 * STREAMS + res[None, :], grad_res * rms_inv[:, None],
                  mask=token_ok[:, None] & res_ok[None, :])
-    tl.store(h_pre_ptr + token[:, None] * STREAMS + stream[None, :], h_pre, mask=token_ok[:, None])
-    tl.store(h_res_ptr + token[:, None, None] * (STREAMS * STREAMS) + (stream[:, None] * STREAMS + stream[None, :])[None],
-             h_res, mask=token_ok[:, None, None])
+    coefs = coefs_ptr + token * (GRAD_X_TERMS * STREAMS)
+    tl.store(coefs[:, None] + stream[None, :], h_pre, mask=token_ok[:, None])
+    tl.store(coefs[:, None, None] + ((1 + stream[:, None]) * STREAMS + stream[None, :])[None], h_res,
+             mask=token_ok[:, None, None])
+    tl.store(coefs[:, None] + (STREAMS + 1) * STREAMS + stream[None, :], row_term, mask=token_ok[:, None])
 
 
 @triton.jit
-def pre_backward_apply_kernel(x_ptr, grad_ptr, grad_u_ptr, weight_ptr, grad_z_ptr, row_coef_ptr, h_pre_ptr, h_res_ptr,
-                              grad_x_ptr, T, C, VARIANT: tl.constexpr, RES: tl.constexpr, OPERANDS: tl.constexpr,
+def pre_backward_apply_kernel(x_ptr, grad_ptr, grad_u_ptr, weight_ptr, grad_z_ptr, coefs_ptr, grad_x_ptr, T, C, VARIANT: tl.constexpr, RES: tl.constexpr, OPERANDS: tl.constexpr,
                               BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, LOGITS_BLOCK: tl.constexpr):
     """The second pass, one program per BLOCK_C channels (of every stream) and token split: its
     slice of the weight (bf16 when the GEMM takes bf16 operands, cast once by the caller) stays in
@@ -470,7 +483,7 @@ def pre_backward_apply_kernel(x_ptr, grad_ptr, grad_u_ptr, weight_ptr, grad_z_pt
     split = tl.program_id(1)
     start = channel_block * BLOCK_C
     stream = tl.arange(0, STREAMS)
-    pair_index = stream[:, None] * STREAMS + stream[None, :]
+    term = tl.arange(0, GRAD_X_TERMS_BLOCK)
     channel_in_block = tl.arange(0, BLOCK_C)
     if VARIANT == "hc":
         k = tl.arange(0, HC_LOGITS)
@@ -493,9 +506,9 @@ def pre_backward_apply_kernel(x_ptr, grad_ptr, grad_u_ptr, weight_ptr, grad_z_pt
     for block in range(split, tl.cdiv(T, BLOCK_T), tl.num_programs(1)):
         token = block * BLOCK_T + tl.arange(0, BLOCK_T)
         token_ok = token < T
-        h_pre = tl.load(h_pre_ptr + token[:, None] * STREAMS + stream[None, :], mask=token_ok[:, None], other=0.0)
-        h_res = tl.load(h_res_ptr + token[:, None, None] * (STREAMS * STREAMS) + pair_index[None, :, :],
-                        mask=token_ok[:, None, None], other=0.0)
+        coefs = tl.load(coefs_ptr + token[:, None, None] * (GRAD_X_TERMS * STREAMS)
+                        + (term[:, None] * STREAMS + stream[None, :])[None, :, :],
+                        mask=token_ok[:, None, None] & (term < GRAD_X_TERMS)[None, :, None], other=0.0)
         vector = token.to(tl.int64)[:, None] * C + (start + channel_in_block)[None, :]
         grad_u = tl.load(grad_u_ptr + vector, mask=token_ok[:, None] & (start + channel_in_block < C)[None, :],
                          other=0.0)
@@ -505,23 +518,17 @@ def pre_backward_apply_kernel(x_ptr, grad_ptr, grad_u_ptr, weight_ptr, grad_z_pt
         tile_ok = token_ok[:, None, None] & (start + channel_in_block < C)[None, None, :]
         grad = tl.load(grad_ptr + tile, mask=tile_ok, other=0.0).to(tl.float32)
         x = tl.load(x_ptr + tile, mask=tile_ok, other=0.0).to(tl.float32)
-        mixing = mixing_grad_x(grad, grad_u, h_pre, h_res)
+        terms = grad_x_terms(coefs, grad, grad_u, x)
         if VARIANT == "hc":
             row = block * BLOCK_T * STREAMS + tl.arange(0, BLOCK_T * STREAMS)  # (token, stream) rows
             row_ok = row < T * STREAMS
             grad_z = tl.load(grad_z_ptr + row[:, None] * (STREAMS + 2) + k[None, :],
                              mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            row_coef = tl.load(row_coef_ptr + row, mask=row_ok, other=0.0)
-            grad_rows = (tl.reshape(mixing, (BLOCK_T * STREAMS, BLOCK_C))
-                         + tl.reshape(x, (BLOCK_T * STREAMS, BLOCK_C)) * row_coef[:, None])
-            grad_rows = dot_accumulate(grad_z, weight, grad_rows, OPERANDS)
+            grad_rows = dot_accumulate(grad_z, weight, tl.reshape(terms, (BLOCK_T * STREAMS, BLOCK_C)), OPERANDS)
         else:
             grad_z = tl.load(grad_z_ptr + token[:, None] * LOGITS + logit[None, :],
                              mask=token_ok[:, None] & logit_ok[None, :], other=0.0)
-            row_coef = tl.load(row_coef_ptr + token, mask=token_ok, other=0.0)
-            grad_rows = (tl.reshape(mixing, (BLOCK_T, STREAMS * BLOCK_C))
-                         + tl.reshape(x, (BLOCK_T, STREAMS * BLOCK_C)) * row_coef[:, None])
-            grad_rows = dot_accumulate(grad_z, weight, grad_rows, OPERANDS)
+            grad_rows = dot_accumulate(grad_z, weight, tl.reshape(terms, (BLOCK_T, STREAMS * BLOCK_C)), OPERANDS)
         tl.store(grad_x_ptr + tile, tl.reshape(grad_rows, (BLOCK_T, STREAMS, BLOCK_C)).to(grad_x_ptr.dtype.element_ty),
                  mask=tile_ok)
 

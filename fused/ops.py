@@ -31,6 +31,7 @@ from residuals import RMS_EPS
 
 STREAMS = 4  # the kernels are written for n = 4 streams
 MIN_SINKHORN_ITERS = 4  # the Sinkhorn backward keeps four checkpoints
+GRAD_X_TERMS = STREAMS + 2  # kernels.GRAD_X_TERMS: per token, the coefficients of grad x's terms
 
 # Each kernel's tile (constexprs: tokens per program or per loop step, channels per loop step or per
 # program) and warps: post and post_backward the fastest setting of `python -m
@@ -248,11 +249,11 @@ def connection_pre_backward(x: torch.Tensor, grad: torch.Tensor, grad_u: torch.T
     if tokens > 0:
         perms = perm_matrices.contiguous() if perm_matrices.numel() else weight
         f32 = dict(dtype=torch.float32)
-        grad_z, row_coef = torch.empty_like(z), torch.empty_like(rms_inv)
-        h_pre, h_res = x.new_empty((tokens, n), **f32), x.new_empty((tokens, n, n), **f32)
+        grad_z = torch.empty_like(z)
+        grad_x_coefs = x.new_empty((tokens, GRAD_X_TERMS, n), **f32)  # h_pre, h_res's n rows, the RMS row term
         constexprs = _variant_constexprs(variant, weight, bf16_operands, sinkhorn_iters, x.device)
         _launch("pre_backward_reduce_kernel", (blocks,), x.device, x, grad, grad_u, grad_h_post, scale, bias, perms,
-                z, rms_inv, grad_z, row_coef, h_pre, h_res, grad_scale, grad_bias, tokens, c, **reduce_tile,
+                z, rms_inv, grad_z, grad_x_coefs, grad_scale, grad_bias, tokens, c, **reduce_tile,
                 **{k: v for k, v in constexprs.items() if k != "OPERANDS"})
         apply_splits = min(APPLY_TOKEN_SPLITS, _cdiv(tokens, apply_tile["BLOCK_T"]))
         weight_operand = (weight.to(torch.bfloat16) if bf16_operands else weight).contiguous()  # as in connection_pre
@@ -260,7 +261,7 @@ def connection_pre_backward(x: torch.Tensor, grad: torch.Tensor, grad_u: torch.T
         operand_constexprs = dict(VARIANT=variant, RES=constexprs["RES"], OPERANDS=constexprs["OPERANDS"],
                                   LOGITS_BLOCK=max(16, _power_of_two_at_least(weight.shape[0])))
         _launch("pre_backward_apply_kernel", (_cdiv(c, apply_tile["BLOCK_C"]), apply_splits), x.device, x, grad,
-                grad_u, weight_operand, grad_z, row_coef, h_pre, h_res, grad_x, tokens, c, **apply_tile,
+                grad_u, weight_operand, grad_z, grad_x_coefs, grad_x, tokens, c, **apply_tile,
                 **operand_constexprs)
         _launch("pre_backward_weight_kernel", (_cdiv(c, weight_tile["BLOCK_C"]), splits), x.device, x, grad_z,
                 grad_weight, tokens, c, **weight_tile, **operand_constexprs)
