@@ -227,7 +227,8 @@ class StreamConnection(nn.Module):
     def _pre(self, x):
         """The coefficients, the branch input u and the mixed streams h_res x (all fp32)."""
         matmul_dtype = autocast_matmul_dtype(x.device.type)
-        # Streams already in the GEMM's dtype are its operand as they are, not a cast of the fp32 copy.
+        # Streams already in the GEMM's dtype are its operand as they are, not a cast of the fp32 copy;
+        # the fp32 copy stays the input that gradients reach, so grad x is summed in fp32.
         operand = x.detach() if x.dtype == matmul_dtype else None
         with torch.autocast(x.device.type, enabled=False):
             x = at_least_fp32(x)
@@ -300,7 +301,7 @@ class _RMSProjection(torch.autograd.Function):
         grad_w = _matmul(grad_z.reshape(-1, grad_z.shape[-1]).t(), x.reshape(-1, x.shape[-1]), ctx.matmul_dtype,
                          w.dtype)
         grad_rms_inv = (grad_y * z).sum(-1, keepdim=True)
-        # A bf16 operand is promoted to x's dtype exactly, so grad x is x's dtype and arithmetic.
+        # A bf16 operand promotes exactly to z's dtype: grad x keeps x's dtype and arithmetic.
         grad_x = torch.addcmul(_matmul(grad_z, w, ctx.matmul_dtype, z.dtype), x,
                                grad_rms_inv * rms_inv.pow(3) / -x.shape[-1])
         return grad_x, grad_w, None, None, None, None
