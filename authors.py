@@ -96,11 +96,12 @@ class AuthorsArithmetic:
     def rounds(self, matmul_dtype):
         return self.mixing_dtype == "autocast" and matmul_dtype is not None
 
-    def projection(self, x, matmul_dtype=None):
+    def projection(self, x, matmul_dtype=None, operand=None):
         rows = self.projection_rows(x)
         if not self.rounds(matmul_dtype):
             return rms_projection(rows, self.projection_weight(), matmul_dtype, self.rms_eps,
-                                  NORMALIZE_NORM_FLOOR**2 / rows.shape[-1])
+                                  NORMALIZE_NORM_FLOOR**2 / rows.shape[-1],
+                                  None if operand is None else self.projection_rows(operand))
         # Their RMSNorm output, not x, is the GEMM's operand that autocast rounds.
         if self.rms_eps == 0:
             normed = F.normalize(rows, dim=-1, eps=NORMALIZE_NORM_FLOOR) * math.sqrt(rows.shape[-1])

@@ -210,13 +210,15 @@ class StreamConnection(nn.Module):
         """The projection with the RMSNorm gain folded in (every subclass has `proj` and `norm_gain`)."""
         return self.proj.weight * self.norm_gain
 
-    def projection(self, x, matmul_dtype=None):
-        """p = RMSNorm(projection_rows(x)) @ W^T (fp32); the GEMM in matmul_dtype when given."""
-        return rms_projection(self.projection_rows(x), self.projection_weight(), matmul_dtype)
+    def projection(self, x, matmul_dtype=None, operand=None):
+        """p = RMSNorm(projection_rows(x)) @ W^T (fp32); the GEMM in matmul_dtype when given, reading
+        `operand` (x's values in matmul_dtype, not differentiated) when given."""
+        operand_rows = None if operand is None else self.projection_rows(operand)
+        return rms_projection(self.projection_rows(x), self.projection_weight(), matmul_dtype, operand=operand_rows)
 
-    def coefficients(self, x, matmul_dtype=None):
-        """The coefficients of x (fp32); the projection GEMM in matmul_dtype when given."""
-        return self.coefficients_from_projection(self.projection(x, matmul_dtype), matmul_dtype)
+    def coefficients(self, x, matmul_dtype=None, operand=None):
+        """The coefficients of x (fp32); the projection GEMM in matmul_dtype when given (on operand)."""
+        return self.coefficients_from_projection(self.projection(x, matmul_dtype, operand), matmul_dtype)
 
     def mix(self, mixer, x, matmul_dtype=None):
         """sum_j mixer[..., r, j] x[..., j, :] in fp32."""
@@ -225,9 +227,12 @@ class StreamConnection(nn.Module):
     def _pre(self, x):
         """The coefficients, the branch input u and the mixed streams h_res x (all fp32)."""
         matmul_dtype = autocast_matmul_dtype(x.device.type)
+        # Streams already in the GEMM's dtype are its operand as they are, not a cast of the fp32 copy;
+        # the fp32 copy stays the input that gradients reach, so grad x is summed in fp32.
+        operand = x.detach() if x.dtype == matmul_dtype else None
         with torch.autocast(x.device.type, enabled=False):
             x = at_least_fp32(x)
-            coeffs = self.coefficients(x, matmul_dtype)
+            coeffs = self.coefficients(x, matmul_dtype, operand)
             # One pass over x for both: row 0 of the product is u, rows 1..n are h_res x.
             mixer = torch.cat([coeffs["h_pre"].unsqueeze(-2), coeffs["h_res"]], dim=-2)  # (B, T, n+1, n)
             products = self.mix(mixer, x, matmul_dtype)
@@ -260,9 +265,11 @@ class StreamConnection(nn.Module):
                               **{key: value.detach().float() for key, value in coeffs.items()}})
 
 
-def rms_projection(x, w, matmul_dtype=None, eps=RMS_EPS, mean_square_floor=0.0):
-    """(x @ w.T) * rsqrt(max(mean(x^2) + eps, mean_square_floor)) over the last dim (_RMSProjection)."""
-    return _RMSProjection.apply(x, w, matmul_dtype, eps, mean_square_floor)
+def rms_projection(x, w, matmul_dtype=None, eps=RMS_EPS, mean_square_floor=0.0, operand=None):
+    """(x @ w.T) * rsqrt(max(mean(x^2) + eps, mean_square_floor)) over the last dim (_RMSProjection).
+    operand: x's values in matmul_dtype, which the GEMMs then read instead of casting x (the
+    gradient still flows into x)."""
+    return _RMSProjection.apply(x, w, matmul_dtype, eps, mean_square_floor, operand)
 
 
 class _RMSProjection(torch.autograd.Function):
@@ -271,35 +278,38 @@ class _RMSProjection(torch.autograd.Function):
     This is RMSNorm(x; gain) @ weight.T with the gain folded into w = weight * gain. The normalised
     copy of x is never materialised, and the backward makes one matmul and one fused multiply-add
     over x, where autograd's backward of the norm alone makes several full passes. The two GEMMs
-    run in matmul_dtype when given (bf16 under autocast), the RMS factor always in fp32. With
+    run in matmul_dtype when given (bf16 under autocast), on `operand` when given (the same values,
+    already in matmul_dtype: no cast, and it is saved in place of x), the RMS factor always from x. With
     y = z * r, z = x w^T, r = rsqrt(mean(x^2) + eps) and dr/dx = -r^3 x / D:
         grad_w = (grad_y * r)^T x,   grad_x = (grad_y * r) w - x * r^3 / D * sum(grad_y * z).
     """
 
     @staticmethod
-    def forward(ctx, x, w, matmul_dtype, eps, mean_square_floor):
+    def forward(ctx, x, w, matmul_dtype, eps, mean_square_floor, operand):
         mean_square = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() / x.shape[-1]
         rms_inv = torch.rsqrt((mean_square + eps).clamp_min(mean_square_floor))
-        z = _matmul(x, w.t(), matmul_dtype, x.dtype)
+        x_values = x if operand is None else operand
+        z = _matmul(x_values, w.t(), matmul_dtype, x.dtype)
         ctx.matmul_dtype = matmul_dtype
-        ctx.save_for_backward(x, w, z, rms_inv)
+        ctx.save_for_backward(x_values, w, z, rms_inv)
         return z * rms_inv
 
     @staticmethod
     def backward(ctx, grad_y):
-        x, w, z, rms_inv = ctx.saved_tensors
+        x, w, z, rms_inv = ctx.saved_tensors  # x: x's values, in x's dtype or the operand's
         grad_z = grad_y * rms_inv
         grad_w = _matmul(grad_z.reshape(-1, grad_z.shape[-1]).t(), x.reshape(-1, x.shape[-1]), ctx.matmul_dtype,
                          w.dtype)
         grad_rms_inv = (grad_y * z).sum(-1, keepdim=True)
-        grad_x = torch.addcmul(_matmul(grad_z, w, ctx.matmul_dtype, x.dtype), x,
+        # A bf16 operand promotes exactly to z's dtype: grad x keeps x's dtype and arithmetic.
+        grad_x = torch.addcmul(_matmul(grad_z, w, ctx.matmul_dtype, z.dtype), x,
                                grad_rms_inv * rms_inv.pow(3) / -x.shape[-1])
-        return grad_x, grad_w, None, None, None
+        return grad_x, grad_w, None, None, None, None
 
 
 def _matmul(a, b, operand_dtype, out_dtype):
     """a @ b with both operands in operand_dtype (None: as they are), returned in out_dtype."""
-    if operand_dtype is None or operand_dtype == a.dtype:
+    if operand_dtype is None:
         return a @ b
     return (a.to(operand_dtype) @ b.to(operand_dtype)).to(out_dtype)
 

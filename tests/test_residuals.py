@@ -409,6 +409,63 @@ def test_recompute_gives_same_outputs_and_gradients(residual):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
+# ----------------------------------------------------------------------------------------------
+# bf16 streams under bf16 autocast: the projection GEMMs read x as it is
+
+
+def forward_and_grads(module, x, grad_out):
+    """The connection's output under bf16 autocast and the gradients of x and of every parameter."""
+    x = x.detach().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = module(x, branch)
+    return out, torch.autograd.grad(out, [x, *module.parameters()], grad_out.to(out.dtype))
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("residual", ["hc", "mhc", "mhclite"])
+def test_bf16_streams_compute_exactly_what_fp32_streams_of_their_values_compute(residual, recompute):
+    """fp32 streams cast x to bf16 for the projection GEMMs; bf16 streams give the GEMMs x itself.
+    The arithmetic is the same bit for bit: the output and grad x differ only by their rounding to
+    the stream dtype (grad x summed in fp32 first), the parameters' gradients not at all."""
+    module = randomise(RESIDUALS[residual](8, 4, 1, recompute=recompute), scale=0.3)
+    x = stream_state().bfloat16()
+    grad_out = stream_state(seed=2).bfloat16()
+    out, grads = forward_and_grads(module, x, grad_out)
+    out_fp32, grads_fp32 = forward_and_grads(module, x.float(), grad_out)
+    assert out.dtype == grads[0].dtype == torch.bfloat16
+    assert torch.equal(out, out_fp32.bfloat16())
+    assert torch.equal(grads[0], grads_fp32[0].bfloat16())
+    for grad, grad_fp32 in zip(grads[1:], grads_fp32[1:]):
+        assert torch.equal(grad, grad_fp32)
+
+
+class Bf16CopiesOf(TorchDispatchMode):
+    """Counts the casts (aten._to_copy) that write the values of `values` (bf16) in bf16, in any view."""
+
+    def __init__(self, values):
+        super().__init__()
+        self.values, self.copies = values.flatten(), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if (func is torch.ops.aten._to_copy.default and out.dtype == torch.bfloat16
+                and out.numel() == self.values.numel() and torch.equal(out.flatten(), self.values)):
+            self.copies += 1
+        return out
+
+
+@pytest.mark.parametrize("residual", ["hc", "mhc", "mhclite"])
+@pytest.mark.parametrize("stream_dtype, copies", [(torch.float32, 2), (torch.bfloat16, 0)])
+def test_projection_casts_x_to_bf16_only_for_fp32_streams(residual, stream_dtype, copies):
+    """Forward and backward under bf16 autocast: fp32 streams make a bf16 copy of x for the
+    projection GEMM and another for the grad-W GEMM; bf16 streams make none."""
+    module = randomise(RESIDUALS[residual](8, 4, 1), scale=0.3)
+    values = stream_state().bfloat16()
+    with Bf16CopiesOf(values) as counter:
+        forward_and_grads(module, values.to(stream_dtype), stream_state(seed=2))
+    assert counter.copies == copies
+
+
 def test_res_rejects_multiple_streams():
     with pytest.raises(ValueError, match="one stream"):
         RESIDUALS["res"](8, 4, 0)
