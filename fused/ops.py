@@ -51,7 +51,7 @@ TILES = {"pre_kernel": dict(BLOCK_T=16, BLOCK_C=64, num_warps=8),
 # and the shipped tiles spill (the backward's under triton 3.6 on sm_80).
 UNALIGNED_PRE_BLOCK_C = 32
 UNALIGNED_BACKWARD_BLOCK_C = 16
-UNALIGNED_REDUCE_BLOCK_T = 16  # mhc's reduce kernel spills 8 B on sm_90 at 32 tokens there
+UNALIGNED_REDUCE_TILE = dict(BLOCK_T=16, num_warps=4)  # mhc's spills 8 B on sm_90 at 32 tokens or 8 warps
 # fp32 x fp32 products (no bf16 autocast) need more registers: the grad-W kernel's spill at 32
 # tokens per step with bf16 streams, pre's at 64 channels per step under triton 3.6.
 FP32_OPERANDS_WEIGHT_BLOCK_T = 16
@@ -237,7 +237,7 @@ def connection_pre_backward(x: torch.Tensor, grad: torch.Tensor, grad_u: torch.T
     if c % 16:
         for tile in (reduce_tile, apply_tile, weight_tile):
             tile["BLOCK_C"] = min(tile["BLOCK_C"], UNALIGNED_BACKWARD_BLOCK_C)
-        reduce_tile["BLOCK_T"] = min(reduce_tile["BLOCK_T"], UNALIGNED_REDUCE_BLOCK_T)
+        reduce_tile.update(UNALIGNED_REDUCE_TILE)
     if not bf16_operands:
         weight_tile["BLOCK_T"] = min(weight_tile["BLOCK_T"], FP32_OPERANDS_WEIGHT_BLOCK_T)
     blocks = _cdiv(tokens, reduce_tile["BLOCK_T"])
