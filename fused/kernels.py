@@ -471,6 +471,15 @@ def pre_backward_reduce_kernel(x_ptr, grad_ptr, grad_u_ptr, grad_h_post_ptr, sca
 
 
 @triton.jit
+def stream_channel_block(start, C, BLOCK_C: tl.constexpr):
+    """The n * BLOCK_C columns (stream, channel) of a block of channels start.. of mhc's and mhclite's
+    rows of n * C: each column's offset in a row and whether its channel exists."""
+    depth_in_block = tl.arange(0, STREAMS * BLOCK_C)
+    channel = start + depth_in_block % BLOCK_C
+    return (depth_in_block // BLOCK_C) * C + channel, channel < C
+
+
+@triton.jit
 def pre_backward_apply_kernel(x_ptr, grad_ptr, grad_u_ptr, weight_ptr, grad_z_ptr, coefs_ptr, grad_x_ptr, T, C, VARIANT: tl.constexpr, RES: tl.constexpr, OPERANDS: tl.constexpr,
                               BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, LOGITS_BLOCK: tl.constexpr):
     """The second pass, one program per BLOCK_C channels (of every stream) and token split: its
@@ -497,10 +506,7 @@ def pre_backward_apply_kernel(x_ptr, grad_ptr, grad_u_ptr, weight_ptr, grad_z_pt
         D = STREAMS * C
         logit = tl.arange(0, LOGITS_BLOCK)  # every logit at once: [pre | post | res]
         logit_ok = logit < LOGITS
-        depth_in_block = tl.arange(0, STREAMS * BLOCK_C)  # (stream, channel) within the channel block
-        channel = start + depth_in_block % BLOCK_C
-        channel_ok = channel < C
-        depth = (depth_in_block // BLOCK_C) * C + channel
+        depth, channel_ok = stream_channel_block(start, C, BLOCK_C)
         weight = tl.load(weight_ptr + logit[:, None] * D + depth[None, :], mask=logit_ok[:, None] & channel_ok[None, :],
                          other=0.0)
     for block in range(split, tl.cdiv(T, BLOCK_T), tl.num_programs(1)):
@@ -566,10 +572,7 @@ def pre_backward_weight_kernel(x_ptr, grad_z_ptr, grad_weight_ptr, T, C, VARIANT
         D = STREAMS * C
         logit = tl.arange(0, LOGITS_BLOCK)  # every logit at once: [pre | post | res]
         logit_ok = logit < LOGITS
-        depth_in_block = tl.arange(0, STREAMS * BLOCK_C)  # (stream, channel) within the channel block
-        channel = start + depth_in_block % BLOCK_C
-        channel_ok = channel < C
-        depth = (depth_in_block // BLOCK_C) * C + channel
+        depth, channel_ok = stream_channel_block(start, C, BLOCK_C)
         acc = tl.zeros((LOGITS_BLOCK, STREAMS * BLOCK_C), dtype=tl.float32)
         for block in range(split, tl.cdiv(T, BLOCK_T), tl.num_programs(1)):
             token = block * BLOCK_T + tl.arange(0, BLOCK_T)
