@@ -480,7 +480,8 @@ def stream_channel_block(start, C, BLOCK_C: tl.constexpr):
 
 
 @triton.jit
-def pre_backward_apply_kernel(x_ptr, grad_ptr, grad_u_ptr, weight_ptr, grad_z_ptr, coefs_ptr, grad_x_ptr, T, C, VARIANT: tl.constexpr, RES: tl.constexpr, OPERANDS: tl.constexpr,
+def pre_backward_apply_kernel(x_ptr, grad_ptr, grad_u_ptr, weight_ptr, grad_z_ptr, coefs_ptr, grad_x_ptr, T, C,
+                              VARIANT: tl.constexpr, RES: tl.constexpr, OPERANDS: tl.constexpr,
                               BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, LOGITS_BLOCK: tl.constexpr):
     """The second pass, one program per BLOCK_C channels (of every stream) and token split: its
     slice of the weight (bf16 when the GEMM takes bf16 operands, cast once by the caller) stays in

@@ -17,7 +17,8 @@ summed by one small torch reduction, in a fixed order). grad W has its own kerne
 once more, so that neither kernel holds both the weight slice and grad W's accumulators (the
 apply kernel's registers then allow two CTAs per SM, not one). No autograd add of two full-size
 gradients, no cast copy of x, no weight-sized partial re-read per token block. Saved for
-backward: x and per token O(n^2) floats (z, rms_inv), nothing n x C wide. Bytes per token: docs/benchmarks.md (python -m fused.tools.count_bytes).
+backward: x and per token O(n^2) floats (z, rms_inv), nothing n x C wide. Bytes per token:
+docs/benchmarks.md (python -m fused.tools.count_bytes).
 
 Every kernel launch goes through `_launch`; `launch_hook` lets a tool see (and run, or not) each one.
 """

@@ -134,7 +134,8 @@ def test_bytes_per_token_within_the_three_pass_backward_budget(counts, residual,
     floor = count_bytes.budget(count_bytes.STREAM_DTYPES[stream_dtype])
     stream = count_bytes.N_STREAMS * count_bytes.WIDTH * torch.finfo(count_bytes.STREAM_DTYPES[stream_dtype]).bits // 8
     assert entry["forward"] <= 3 * stream + 16 * count_bytes.WIDTH, f"{residual} {stream_dtype}: {entry['forward']:.0f}"
-    assert entry["backward"] <= 7 * stream + 16 * count_bytes.WIDTH, f"{residual} {stream_dtype}: {entry['backward']:.0f}"
+    assert entry["backward"] <= 7 * stream + 16 * count_bytes.WIDTH, \
+        f"{residual} {stream_dtype}: {entry['backward']:.0f}"
     assert entry["total"] <= floor + 3 * stream + 4 * 4 * count_bytes.WIDTH, \
         f"{residual} {stream_dtype}: {entry['total']:.0f} > {floor} + 3 nCs + 4 C bytes per token"
     assert set(entry["kernels"]) == {"pre_kernel", "post_kernel", "post_backward_kernel", "pre_backward_reduce_kernel",
@@ -214,9 +215,8 @@ def test_each_token_split_moves_its_weight_sized_bytes_once(counts, residual):
     executed_per_split_at_m counts beside the partials (L2 holds it for all: no unique bytes)."""
     module = RESIDUALS[residual](count_bytes.WIDTH, count_bytes.N_STREAMS, 1)
     _, weight, _, _, _, _ = fused.packed_parameters(module)
-    at_m = lambda setting, kernel: min(getattr(ops, setting), count_bytes.M_TOKENS // ops.TILES[kernel]["BLOCK_T"])  # noqa: E731
-    weight_splits = at_m("WEIGHT_GRAD_SPLITS", "pre_backward_weight_kernel")
-    apply_splits = at_m("APPLY_TOKEN_SPLITS", "pre_backward_apply_kernel")
+    weight_splits, apply_splits = (min(getattr(ops, setting), count_bytes.M_TOKENS // ops.TILES[kernel]["BLOCK_T"])
+                                   for setting, kernel in count_bytes.SPLIT_KERNELS.items())
     one_split = ops.partial_bytes_per_split(weight)
     assert one_split == 2 * weight.numel() * 4
     for stream_dtype in count_bytes.STREAM_DTYPES:
