@@ -494,12 +494,11 @@ def pre_backward_apply_kernel(x_ptr, grad_ptr, grad_u_ptr, weight_ptr, grad_z_pt
     start = channel_block * BLOCK_C
     stream = tl.arange(0, STREAMS)
     term = tl.arange(0, GRAD_X_TERMS_BLOCK)
-    channel_in_block = tl.arange(0, BLOCK_C)
+    channel = start + tl.arange(0, BLOCK_C)
+    channel_ok = channel < C
     if VARIANT == "hc":
         k = tl.arange(0, HC_LOGITS)
         k_ok = k < STREAMS + 2
-        channel = start + channel_in_block
-        channel_ok = channel < C
         weight = tl.load(weight_ptr + k[:, None] * C + channel[None, :], mask=k_ok[:, None] & channel_ok[None, :],
                          other=0.0)
     else:
@@ -507,8 +506,8 @@ def pre_backward_apply_kernel(x_ptr, grad_ptr, grad_u_ptr, weight_ptr, grad_z_pt
         D = STREAMS * C
         logit = tl.arange(0, LOGITS_BLOCK)  # every logit at once: [pre | post | res]
         logit_ok = logit < LOGITS
-        depth, channel_ok = stream_channel_block(start, C, BLOCK_C)
-        weight = tl.load(weight_ptr + logit[:, None] * D + depth[None, :], mask=logit_ok[:, None] & channel_ok[None, :],
+        depth, depth_ok = stream_channel_block(start, C, BLOCK_C)
+        weight = tl.load(weight_ptr + logit[:, None] * D + depth[None, :], mask=logit_ok[:, None] & depth_ok[None, :],
                          other=0.0)
     for block in range(split, tl.cdiv(T, BLOCK_T), tl.num_programs(1)):
         token = block * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -516,13 +515,11 @@ def pre_backward_apply_kernel(x_ptr, grad_ptr, grad_u_ptr, weight_ptr, grad_z_pt
         coefs = tl.load(coefs_ptr + token[:, None, None] * (GRAD_X_TERMS * STREAMS)
                         + (term[:, None] * STREAMS + stream[None, :])[None, :, :],
                         mask=token_ok[:, None, None] & (term < GRAD_X_TERMS)[None, :, None], other=0.0)
-        vector = token.to(tl.int64)[:, None] * C + (start + channel_in_block)[None, :]
-        grad_u = tl.load(grad_u_ptr + vector, mask=token_ok[:, None] & (start + channel_in_block < C)[None, :],
-                         other=0.0)
+        grad_u = tl.load(grad_u_ptr + token.to(tl.int64)[:, None] * C + channel[None, :],
+                         mask=token_ok[:, None] & channel_ok[None, :], other=0.0)
         # x, g and grad x share one layout: per token n rows of C, this block's BLOCK_C channels of each.
-        tile = (token.to(tl.int64)[:, None, None] * (STREAMS * C) + stream[None, :, None] * C
-                + (start + channel_in_block)[None, None, :])
-        tile_ok = token_ok[:, None, None] & (start + channel_in_block < C)[None, None, :]
+        tile = token.to(tl.int64)[:, None, None] * (STREAMS * C) + stream[None, :, None] * C + channel[None, None, :]
+        tile_ok = token_ok[:, None, None] & channel_ok[None, None, :]
         grad = tl.load(grad_ptr + tile, mask=tile_ok, other=0.0).to(tl.float32)
         x = tl.load(x_ptr + tile, mask=tile_ok, other=0.0).to(tl.float32)
         terms = grad_x_terms(coefs, grad, grad_u, x)

@@ -152,6 +152,12 @@ def _dot_operands(bf16_operands, device):
     return "bf16" if device.type == "cuda" or _operands_for_cuda else "bf16_rounded"
 
 
+def _weight_operand(weight, bf16_operands):
+    """The projection weight as the kernels' GEMMs read it: cast to bf16 once here, not by every
+    program, when they take bf16 operands (it rounds as the kernels' own cast would)."""
+    return (weight.to(torch.bfloat16) if bf16_operands else weight).contiguous()
+
+
 def _variant_constexprs(variant, weight, bf16_operands, sinkhorn_iters, device):
     res = 0 if variant == "hc" else weight.shape[0] - 2 * STREAMS
     return dict(VARIANT=variant, RES=res, ITERS=sinkhorn_iters, OPERANDS=_dot_operands(bf16_operands, device),
@@ -200,10 +206,8 @@ def connection_pre(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
             tile["BLOCK_C"] = min(tile["BLOCK_C"], MHC_PRE_BLOCK_C)
         if not bf16_operands:
             tile["BLOCK_C"] = min(tile["BLOCK_C"], FP32_OPERANDS_PRE_BLOCK_C)
-        # Cast once here, not by every program: rounds as the kernel's own cast to bf16 operands would.
-        weight_operand = (weight.to(torch.bfloat16) if bf16_operands else weight).contiguous()
-        _launch("pre_kernel", (_cdiv(tokens, tile["BLOCK_T"]),), x.device, x, weight_operand, scale, bias, perms,
-                u, h_pre, h_post, h_res, z, rms_inv, tokens, x.shape[2], RMS_EPS, **tile,
+        _launch("pre_kernel", (_cdiv(tokens, tile["BLOCK_T"]),), x.device, x, _weight_operand(weight, bf16_operands),
+                scale, bias, perms, u, h_pre, h_post, h_res, z, rms_inv, tokens, x.shape[2], RMS_EPS, **tile,
                 **_variant_constexprs(variant, weight, bf16_operands, sinkhorn_iters, x.device))
     return outputs
 
@@ -257,12 +261,11 @@ def connection_pre_backward(x: torch.Tensor, grad: torch.Tensor, grad_u: torch.T
                 z, rms_inv, grad_z, grad_x_coefs, grad_scale, grad_bias, tokens, c, **reduce_tile,
                 **{k: v for k, v in constexprs.items() if k != "OPERANDS"})
         apply_splits = min(APPLY_TOKEN_SPLITS, _cdiv(tokens, apply_tile["BLOCK_T"]))
-        weight_operand = (weight.to(torch.bfloat16) if bf16_operands else weight).contiguous()  # as in connection_pre
         # The apply and grad-W kernels take all of mhc's and mhclite's logits as one tile.
         operand_constexprs = dict(VARIANT=variant, RES=constexprs["RES"], OPERANDS=constexprs["OPERANDS"],
                                   LOGITS_BLOCK=max(16, _power_of_two_at_least(weight.shape[0])))
         _launch("pre_backward_apply_kernel", (_cdiv(c, apply_tile["BLOCK_C"]), apply_splits), x.device, x, grad,
-                grad_u, weight_operand, grad_z, grad_x_coefs, grad_x, tokens, c, **apply_tile,
+                grad_u, _weight_operand(weight, bf16_operands), grad_z, grad_x_coefs, grad_x, tokens, c, **apply_tile,
                 **operand_constexprs)
         _launch("pre_backward_weight_kernel", (_cdiv(c, weight_tile["BLOCK_C"]), splits), x.device, x, grad_z,
                 grad_weight, tokens, c, **weight_tile, **operand_constexprs)
