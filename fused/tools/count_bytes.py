@@ -345,12 +345,17 @@ def split_bytes(residual, stream_dtype, setting):
     return tuple(phase_bytes(counts[2], key) - phase_bytes(counts[1], key) for key in ("kernels", "executed"))
 
 
+def splits_at_m(setting):
+    """The token splits the ops setting gives its kernel at M's tokens per micro-step."""
+    return min(getattr(ops, setting), M_TOKENS // ops.TILES[SPLIT_KERNELS[setting]]["BLOCK_T"])
+
+
 def per_split_bytes_per_token_at_m(residual, stream_dtype):
     """(unique, executed) bytes per token at M's tokens per micro-step of what the split kernels move
     once per split, with the shipped split counts."""
     unique = executed = 0.0
-    for setting, kernel in SPLIT_KERNELS.items():
-        splits = min(getattr(ops, setting), M_TOKENS // ops.TILES[kernel]["BLOCK_T"])
+    for setting in SPLIT_KERNELS:
+        splits = splits_at_m(setting)
         one_unique, one_executed = split_bytes(residual, stream_dtype, setting)
         unique += splits * one_unique / M_TOKENS
         executed += splits * one_executed / M_TOKENS

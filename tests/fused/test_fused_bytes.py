@@ -215,8 +215,7 @@ def test_each_token_split_moves_its_weight_sized_bytes_once(counts, residual):
     executed_per_split_at_m counts beside the partials (L2 holds it for all: no unique bytes)."""
     module = RESIDUALS[residual](count_bytes.WIDTH, count_bytes.N_STREAMS, 1)
     _, weight, _, _, _, _ = fused.packed_parameters(module)
-    weight_splits, apply_splits = (min(getattr(ops, setting), count_bytes.M_TOKENS // ops.TILES[kernel]["BLOCK_T"])
-                                   for setting, kernel in count_bytes.SPLIT_KERNELS.items())
+    weight_splits, apply_splits = (count_bytes.splits_at_m(setting) for setting in count_bytes.SPLIT_KERNELS)
     one_split = ops.partial_bytes_per_split(weight)
     assert one_split == 2 * weight.numel() * 4
     for stream_dtype in count_bytes.STREAM_DTYPES:
