@@ -28,11 +28,12 @@ from .kernels import resolve as resolve_kernel_flags
 
 # The settings tried per kernel: tl.dot needs 16 or more tokens and channels in the pre kernels.
 SWEEP = {
-    "pre_kernel": dict(BLOCK_T=(16, 32, 64), BLOCK_C=(16, 32, 64), num_warps=(4, 8)),
+    "pre_kernel": dict(BLOCK_T=(16, 32, 64), BLOCK_C=(16, 32, 64), num_warps=(4, 8), STAGES=(1, 2, 3)),
     "post_kernel": dict(BLOCK_T=(4, 8, 16), BLOCK_C=(16, 64, 128, 256), num_warps=(4, 8)),
     "post_backward_kernel": dict(BLOCK_T=(4, 8, 16), BLOCK_C=(16, 64, 128, 256), num_warps=(4, 8)),
-    "pre_backward_reduce_kernel": dict(BLOCK_T=(16, 32), BLOCK_C=(32, 64, 128), num_warps=(4, 8)),
-    "pre_backward_apply_kernel": dict(BLOCK_T=(16, 32), BLOCK_C=(16, 32, 64), num_warps=(4, 8), splits=(32, 64, 128)),
+    "pre_backward_reduce_kernel": dict(BLOCK_T=(16, 32), BLOCK_C=(32, 64, 128), num_warps=(4, 8), STAGES=(1, 2, 3)),
+    "pre_backward_apply_kernel": dict(BLOCK_T=(16, 32), BLOCK_C=(16, 32, 64), num_warps=(4, 8), splits=(32, 64, 128),
+                                      STAGES=(1, 2, 3)),
     "pre_backward_weight_kernel": dict(BLOCK_T=(32, 64), BLOCK_C=(16, 32, 64), num_warps=(4, 8), splits=(8, 16, 32)),
 }
 SPLIT_KERNELS = ("pre_backward_apply_kernel", "pre_backward_weight_kernel")  # grid (channel blocks, token splits)
@@ -59,6 +60,8 @@ def shipped_setting(launch):
                                                                                        "num_warps")}
     if launch.kernel in SPLIT_KERNELS:
         setting["splits"] = launch.grid[1]
+    if "STAGES" in launch.constexprs:  # the software-pipelined loop's stages
+        setting["STAGES"] = launch.constexprs["STAGES"]
     return setting
 
 

@@ -203,7 +203,8 @@ def hc_coefficients(z, rms_inv, scale_ptr, bias_ptr):
 @triton.jit
 def pre_kernel(x_ptr, weight_ptr, scale_ptr, bias_ptr, perm_ptr, u_ptr, h_pre_ptr, h_post_ptr, h_res_ptr,
                z_ptr, rms_inv_ptr, T, C, eps, VARIANT: tl.constexpr, RES: tl.constexpr, ITERS: tl.constexpr,
-               OPERANDS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, RES_BLOCK: tl.constexpr):
+               OPERANDS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, RES_BLOCK: tl.constexpr,
+               STAGES: tl.constexpr):
     """BLOCK_T tokens: projection and RMS factor from one read of x, the coefficients in registers,
     then u from a re-read of the same tile, few enough tokens that the re-read comes from L2 with
     every program resident at once. The weight (bf16 when the GEMM takes bf16 operands, cast once
@@ -276,7 +277,7 @@ def pre_kernel(x_ptr, weight_ptr, scale_ptr, bias_ptr, perm_ptr, u_ptr, h_pre_pt
              mask=token_ok[:, None, None])
     # u = sum_j h_pre[j] x[j], from a re-read of the tile just projected.
     base = token.to(tl.int64) * (STREAMS * C)
-    for start in range(0, C, BLOCK_C):
+    for start in tl.range(0, C, BLOCK_C, num_stages=STAGES):
         channel = start + tl.arange(0, BLOCK_C)
         channel_ok = channel < C
         x = tl.load(x_ptr + base[:, None, None] + stream[None, :, None] * C + channel[None, None, :],
@@ -338,13 +339,13 @@ def post_backward_kernel(grad_ptr, h_post_ptr, y_ptr, grad_y_ptr, grad_h_post_pt
 
 
 @triton.jit
-def mixing_grads(x_ptr, grad_ptr, grad_u_ptr, token, token_ok, C, BLOCK_C: tl.constexpr):
+def mixing_grads(x_ptr, grad_ptr, grad_u_ptr, token, token_ok, C, BLOCK_C: tl.constexpr, STAGES: tl.constexpr):
     """(grad h_pre, grad h_res) of the mixing: <grad u, x[j]> and <g[i], x[j]> over all channels."""
     stream = tl.arange(0, STREAMS)
     base = token.to(tl.int64) * (STREAMS * C)
     grad_h_pre = tl.zeros((token.shape[0], STREAMS), dtype=tl.float32)
     grad_h_res = tl.zeros((token.shape[0], STREAMS, STREAMS), dtype=tl.float32)
-    for start in range(0, C, BLOCK_C):
+    for start in tl.range(0, C, BLOCK_C, num_stages=STAGES):
         channel = start + tl.arange(0, BLOCK_C)
         channel_ok = channel < C
         tile = base[:, None, None] + stream[None, :, None] * C + channel[None, None, :]
@@ -384,7 +385,8 @@ def grad_x_terms(coefs, grad, grad_u, x):
 def pre_backward_reduce_kernel(x_ptr, grad_ptr, grad_u_ptr, grad_h_post_ptr, scale_ptr, bias_ptr, perm_ptr, z_ptr,
                                rms_inv_ptr, grad_z_ptr, coefs_ptr, grad_scale_ptr,
                                grad_bias_ptr, T, C, VARIANT: tl.constexpr, RES: tl.constexpr, ITERS: tl.constexpr,
-                               BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, RES_BLOCK: tl.constexpr):
+                               BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, RES_BLOCK: tl.constexpr,
+                               STAGES: tl.constexpr):
     """After the branch's backward, the first of two passes, one program per BLOCK_T tokens:
     recomputes the coefficients from z and rms_inv, reduces the mixing's coefficient grads over the
     channels, runs the coefficient math backward in registers and stores, per token, what the apply
@@ -396,7 +398,7 @@ def pre_backward_reduce_kernel(x_ptr, grad_ptr, grad_u_ptr, grad_h_post_ptr, sca
     stream = tl.arange(0, STREAMS)
     token = program * BLOCK_T + tl.arange(0, BLOCK_T)
     token_ok = token < T
-    grad_h_pre, grad_h_res = mixing_grads(x_ptr, grad_ptr, grad_u_ptr, token, token_ok, C, BLOCK_C)
+    grad_h_pre, grad_h_res = mixing_grads(x_ptr, grad_ptr, grad_u_ptr, token, token_ok, C, BLOCK_C, STAGES)
     grad_h_post = tl.load(grad_h_post_ptr + token[:, None] * STREAMS + stream[None, :], mask=token_ok[:, None],
                           other=0.0)
     if VARIANT == "hc":
@@ -482,7 +484,8 @@ def stream_channel_block(start, C, BLOCK_C: tl.constexpr):
 @triton.jit
 def pre_backward_apply_kernel(x_ptr, grad_ptr, grad_u_ptr, weight_ptr, grad_z_ptr, coefs_ptr, grad_x_ptr, T, C,
                               VARIANT: tl.constexpr, RES: tl.constexpr, OPERANDS: tl.constexpr,
-                              BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, LOGITS_BLOCK: tl.constexpr):
+                              BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, LOGITS_BLOCK: tl.constexpr,
+                              STAGES: tl.constexpr):
     """The second pass, one program per BLOCK_C channels (of every stream) and token split: its
     slice of the weight (bf16 when the GEMM takes bf16 operands, cast once by the caller) stays in
     registers while it walks the split's token blocks (every num_programs(1)-th one) and writes
@@ -509,7 +512,7 @@ def pre_backward_apply_kernel(x_ptr, grad_ptr, grad_u_ptr, weight_ptr, grad_z_pt
         depth, depth_ok = stream_channel_block(start, C, BLOCK_C)
         weight = tl.load(weight_ptr + logit[:, None] * D + depth[None, :], mask=logit_ok[:, None] & depth_ok[None, :],
                          other=0.0)
-    for block in range(split, tl.cdiv(T, BLOCK_T), tl.num_programs(1)):
+    for block in tl.range(split, tl.cdiv(T, BLOCK_T), tl.num_programs(1), num_stages=STAGES):
         token = block * BLOCK_T + tl.arange(0, BLOCK_T)
         token_ok = token < T
         coefs = tl.load(coefs_ptr + token[:, None, None] * (GRAD_X_TERMS * STREAMS)

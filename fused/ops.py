@@ -41,18 +41,22 @@ GRAD_X_TERMS = STREAMS + 2  # kernels.GRAD_X_TERMS: per token, the coefficients 
 # tokens, so that the resident programs' x tiles fit in L2 for the re-read; the backward's: the
 # largest tiles that keep 2 CTAs per SM on sm_90), not yet timed on a GPU. None spills registers
 # on sm_80 or sm_90 (python -m fused.tools.resources). tl.dot needs 16 or more tokens and channels.
-TILES = {"pre_kernel": dict(BLOCK_T=16, BLOCK_C=64, num_warps=8),
+# STAGES: how far ahead the software pipeline issues a loop's loads (cp.async into shared memory) in
+# pre's u loop and the reduce and apply kernels' loops; triton pipelines on its own only the loops
+# that feed tl.dot. Chosen so that no kernel loses a CTA per SM or spills; not yet timed on a GPU.
+TILES = {"pre_kernel": dict(BLOCK_T=16, BLOCK_C=64, num_warps=8, STAGES=2),
          "post_kernel": dict(BLOCK_T=4, BLOCK_C=256, num_warps=4),
          "post_backward_kernel": dict(BLOCK_T=8, BLOCK_C=128, num_warps=4),
-         "pre_backward_reduce_kernel": dict(BLOCK_T=32, BLOCK_C=32, num_warps=8),
-         "pre_backward_apply_kernel": dict(BLOCK_T=16, BLOCK_C=32, num_warps=8),
+         "pre_backward_reduce_kernel": dict(BLOCK_T=32, BLOCK_C=32, num_warps=8, STAGES=2),
+         "pre_backward_apply_kernel": dict(BLOCK_T=16, BLOCK_C=32, num_warps=8, STAGES=3),
          "pre_backward_weight_kernel": dict(BLOCK_T=64, BLOCK_C=32, num_warps=8)}
 # Channels per step (pre) or per program (the backward's kernels) at a width that is not a multiple
 # of 16: triton's JIT then cannot prove the rows aligned, every element gets its own 64-bit pointer,
 # and the shipped tiles spill (the backward's under triton 3.6 on sm_80).
 UNALIGNED_PRE_BLOCK_C = 32
 UNALIGNED_BACKWARD_BLOCK_C = 16
-UNALIGNED_REDUCE_TILE = dict(BLOCK_T=16, num_warps=4)  # mhc's spills 8 B on sm_90 at 32 tokens or 8 warps
+# mhc's spills 8 B on sm_90 at 32 tokens, at 8 warps, or with its loop pipelined.
+UNALIGNED_REDUCE_TILE = dict(BLOCK_T=16, num_warps=4, STAGES=1)
 # fp32 x fp32 products (no bf16 autocast) need more registers: the grad-W kernel's spill at 32
 # tokens per step with bf16 streams, pre's at 64 channels per step under triton 3.6.
 FP32_OPERANDS_WEIGHT_BLOCK_T = 16
@@ -60,6 +64,9 @@ FP32_OPERANDS_PRE_BLOCK_C = 32
 # hc's pre projects (token, stream) rows, so tl.dot's 16 rows take 4 tokens; its lighter program
 # keeps more of them resident per SM, so fewer tokens each keep their x tiles in L2 for the re-read.
 HC_PRE_BLOCK_T = 8
+# hc's reduce kernel with its loop pipelined needs 134-138 registers at 32 tokens (1 CTA per SM);
+# 78 at 16.
+HC_REDUCE_BLOCK_T = 16
 # mhc's pre also runs the Sinkhorn iterations: at 64 channels per step triton 3.6 spills on sm_90.
 MHC_PRE_BLOCK_C = 32
 # Token splits of the grad-W kernel, each with its own weight-sized partial of grad W: a fixed
@@ -243,6 +250,8 @@ def connection_pre_backward(x: torch.Tensor, grad: torch.Tensor, grad_u: torch.T
         for tile in (reduce_tile, apply_tile, weight_tile):
             tile["BLOCK_C"] = min(tile["BLOCK_C"], UNALIGNED_BACKWARD_BLOCK_C)
         reduce_tile.update(UNALIGNED_REDUCE_TILE)
+    if variant == "hc":
+        reduce_tile["BLOCK_T"] = min(reduce_tile["BLOCK_T"], HC_REDUCE_BLOCK_T)
     if not bf16_operands:
         weight_tile["BLOCK_T"] = min(weight_tile["BLOCK_T"], FP32_OPERANDS_WEIGHT_BLOCK_T)
     blocks = _cdiv(tokens, reduce_tile["BLOCK_T"])

@@ -12,7 +12,10 @@ becomes the signature, constexprs and tt.divisibility attributes triton's JIT wo
 (launches.jit_specialisation) and is compiled with triton.compile for GPUTarget("cuda", cc,
 32); ptxas and cuobjdump ship in triton's wheel. `cuobjdump -res-usage` reads registers, stack
 bytes (spills go there), local memory and static shared memory from the cubin; the dynamic shared
-memory comes from the compiled kernel's metadata. Each distinct compilation runs once.
+memory comes from the compiled kernel's metadata; the loads inside loops from its TTGIR: "plain", each a
+round trip its loop step waits for, or "async", issued stages ahead by triton's software pipeline
+(cp.async into shared memory; the kernels' STAGES, or the default for a loop that feeds tl.dot).
+Each distinct compilation runs once.
 
 CTAs/SM is the occupancy limit from registers (65536 per SM in four quarters, allocated per warp in
 units of 256), threads (2048), CTAs (32) and shared memory (sm_80: 164 KB per SM, at most 163 KB per
@@ -115,10 +118,29 @@ def compile_kernel(name, specialisation, cc):
         lines = str(e).strip().splitlines()
         return dict(error=f"{type(e).__name__}: {lines[-1] if lines else ''}")
     result = cubin_resources(compiled.asm["cubin"], triton.knobs.nvidia.cuobjdump.path)
+    result.update(loop_loads(compiled.asm["ttgir"]))
     result["shared_bytes"] = compiled.metadata.shared + result["static_shared_bytes"]
     result["num_warps"] = compiled.metadata.num_warps
     result["ctas_per_sm"] = ctas_per_sm(result["registers"], result["shared_bytes"], result["num_warps"], cc)
     return result
+
+
+def loop_loads(ttgir):
+    """Global loads inside the kernel's loops (scf.for bodies) of its TTGIR: "async_loop_loads",
+    issued stages ahead by the software pipeline (cp.async into shared memory), and
+    "plain_loop_loads", each of which its loop step waits a whole round trip for."""
+    counts = dict(async_loop_loads=0, plain_loop_loads=0)
+    depth, loop_depths = 0, []  # brace depth; the depth each enclosing loop opened at
+    for line in ttgir.splitlines():
+        if loop_depths:
+            counts["async_loop_loads"] += "ttg.async_copy_global_to_local " in line
+            counts["plain_loop_loads"] += " = tt.load " in line
+        if " scf.for " in line:
+            loop_depths.append(depth)
+        depth += line.count("{") - line.count("}")
+        while loop_depths and depth <= loop_depths[-1]:
+            loop_depths.pop()
+    return counts
 
 
 def compile_key(name, specialisation, cc):
@@ -173,7 +195,7 @@ def table(records, ccs):
     rows = {key: rows[key] for key in sorted(rows, key=order.get)}
     header = ["kernel", "variants", "streams", "autocast", "C"]
     for cc in ccs:
-        header += [f"sm_{cc} regs", "stack B", "shared KB", "CTAs/SM"]
+        header += [f"sm_{cc} regs", "stack B", "shared KB", "CTAs/SM", "loop loads plain, async"]
     lines = []
     for row in rows.values():
         line = [row["kernel"].removesuffix("_kernel"), ", ".join(row["residuals"]),
@@ -181,10 +203,11 @@ def table(records, ccs):
         for cc in ccs:
             res = row[f"sm_{cc}"]
             if "error" in res:
-                line += ["error: " + res["error"], "", "", ""]
+                line += ["error: " + res["error"], "", "", "", ""]
             else:
                 line += [str(res["registers"]), str(res["stack_bytes"] + res["local_bytes"]),
-                         fmt(res["shared_bytes"] / 1024, ".1f"), str(res["ctas_per_sm"])]
+                         fmt(res["shared_bytes"] / 1024, ".1f"), str(res["ctas_per_sm"]),
+                         f"{res['plain_loop_loads']}, {res['async_loop_loads']}"]
         lines.append(line)
     return markdown_table(header, lines)
 
