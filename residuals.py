@@ -117,8 +117,11 @@ def mix_streams(mixer: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     On CPU one batched matmul is fastest. On CUDA a matmul with n = 4 is a tiny-matrix bmm (slow,
     and TF32 would round the coefficients), so there it is n multiply-adds, which inductor fuses.
     """
-    if x.device.type != "cuda":
-        return mixer @ x
+    return mixer @ x if x.device.type != "cuda" else mix_streams_elementwise(mixer, x)
+
+
+def mix_streams_elementwise(mixer: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """mix_streams as n multiply-adds (its form on CUDA)."""
     out = mixer[..., :, 0, None] * x[..., None, 0, :]
     for j in range(1, x.shape[-2]):
         out = torch.addcmul(out, mixer[..., :, j, None], x[..., None, j, :])
@@ -233,12 +236,13 @@ class StreamConnection(nn.Module):
         with torch.autocast(x.device.type, enabled=False):
             x = at_least_fp32(x)
             coeffs = self.coefficients(x, matmul_dtype, operand)
-            # One pass over x for both: row 0 of the product is u, rows 1..n are h_res x.
-            mixer = torch.cat([coeffs["h_pre"].unsqueeze(-2), coeffs["h_res"]], dim=-2)  # (B, T, n+1, n)
-            products = self.mix(mixer, x, matmul_dtype)
-            branch_input, mixed = products.split([1, self.n_streams], dim=-2)
-        # A copy of u, so that the branch (which saves its input) does not keep the whole product alive.
-        return coeffs, branch_input.squeeze(-2).contiguous(), mixed
+            # u and h_res x as two products, not one of the stacked coefficients: compiled, the backward
+            # then reads grad u and g as they are, where the stacked product's gradient concatenated
+            # them and two more passes read the (n + 1)-row result (python -m fused.tools.count_bytes
+            # --reference).
+            branch_input = self.mix(coeffs["h_pre"].unsqueeze(-2), x, matmul_dtype).squeeze(-2)
+            mixed = self.mix(coeffs["h_res"], x, matmul_dtype)
+        return coeffs, branch_input, mixed
 
     def forward(self, x, branch):
         if self.recompute and torch.is_grad_enabled():

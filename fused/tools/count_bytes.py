@@ -1,7 +1,7 @@
 """Bytes per token per connection of the fused path, counted on CPU in Triton's interpreter.
 
     python -m fused.tools.count_bytes [--json PATH] [--residuals hc,mhc,mhclite] [--stream_dtypes float32,bfloat16]
-    python -m fused.tools.count_bytes --reference      # the reference path (residuals.py), counted the same way
+    python -m fused.tools.count_bytes --reference      # the reference path (residuals.py), eager and compiled
 
 Runs forward and backward of `connection_forward` at n = 4, C = 768 under bf16 autocast with a
 bf16 branch output (as the model runs), with every kernel in Triton's interpreter at its shipped
@@ -28,6 +28,9 @@ weight-sized partial, written and summed ("per_split_at_m", unique, and executed
 kernel's weight, which each split reads again (executed only: L2 holds it for all programs).
 One split's bytes are the difference between two splits and one on the same tokens; times the
 shipped splits over M's 16,384 tokens per micro-step, they are bytes per token at M.
+The reference path is counted twice: eager, every aten op as above; and compiled, every kernel
+inductor generates (a fused group of ops, or a GEMM) as its scheduler counts it, its input and
+output buffers once each (compiled_bytes_per_token).
 """
 
 import argparse
@@ -35,6 +38,7 @@ import collections
 import contextlib
 import json
 import os
+from unittest import mock
 
 # Triton reads TRITON_INTERPRET when it is imported, which the ops do at their first launch.
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -46,6 +50,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 import fused  # noqa: E402
 from fused import ops  # noqa: E402
 from fused.tools.interpreter import fix_scalar_index, version_problem  # noqa: E402
+import residuals  # noqa: E402
 from residuals import RESIDUALS  # noqa: E402
 
 VARIANTS = ("hc", "mhc", "mhclite")
@@ -54,6 +59,7 @@ N_STREAMS, WIDTH = 4, 768
 # Multiples of every kernel's BLOCK_T, so that per-block traffic (the weight read by each program) is in the slopes.
 TOKEN_COUNTS = (64, 128)
 UNIQUE_TOKEN_COUNTS = (32, 64)  # one and two blocks of COUNTING_BLOCK_T: enough for unique bytes
+COMPILED_TOKEN_COUNTS = (128, 256)
 # Unique bytes only (UNIQUE_TOKEN_COUNTS, the split bytes): tokens per program at most this, for few
 # interpreted loop trips; a kernel's shipped BLOCK_T below it is kept, since its per-block outputs
 # (pre_backward_reduce's grad scale and grad bias) are unique bytes per block.
@@ -306,6 +312,103 @@ def reference_bytes_per_token(residual, stream_dtype, token_counts=TOKEN_COUNTS)
     return entry
 
 
+@torch.library.custom_op("count_bytes::stand_in_branch", mutates_args=())
+def compiled_stand_in_branch(u: torch.Tensor) -> torch.Tensor:
+    """The branch for compiled counts: u -> bf16 0.5 u in a kernel inductor cannot see into or fuse
+    with, so the connection's kernels stay apart from it; its own kernels are left out of the count."""
+    return (0.5 * u).to(torch.bfloat16)
+
+
+@compiled_stand_in_branch.register_fake
+def _(u):
+    return torch.empty_like(u, dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("count_bytes::stand_in_branch_backward", mutates_args=())
+def compiled_stand_in_branch_backward(grad_y: torch.Tensor) -> torch.Tensor:
+    return 0.5 * grad_y.float()
+
+
+@compiled_stand_in_branch_backward.register_fake
+def _(grad_y):
+    return torch.empty_like(grad_y, dtype=torch.float32)
+
+
+compiled_stand_in_branch.register_autograd(lambda ctx, grad_y: compiled_stand_in_branch_backward(grad_y))
+
+
+def _origin_ops(scheduler_node):
+    """The aten ops a scheduler node (one generated kernel) was made from, in order, once each."""
+    ops_seen = []
+    for node in scheduler_node.get_nodes():
+        for origin in sorted(getattr(node.node, "origins", None) or (), key=lambda o: o.name):
+            name = str(origin.target).removeprefix("aten.").removesuffix(".default")
+            if name not in ops_seen and not name.startswith("count_bytes."):
+                ops_seen.append(name)
+    return ops_seen
+
+
+def compiled_kernel_bytes(fn, *inputs, grad=None):
+    """[(phase, aten ops, bytes)] of every kernel inductor generates for fn(*inputs) and, with grad,
+    its backward (output.backward(grad)): compiled without caches (every graph is lowered), each
+    kernel's input and output buffers counted once, as its scheduler counts them; the stand-in
+    branch's kernels left out."""
+    import torch._inductor.config as inductor_config
+    import torch._inductor.graph as inductor_graph
+
+    kernels, codegen = [], inductor_graph.GraphLowering.codegen
+
+    def counting_codegen(graph, *args, **kwargs):
+        out = codegen(graph, *args, **kwargs)
+        phase = "backward" if graph.is_backward else "forward"
+        for node in graph.scheduler.nodes:
+            op = getattr(node.node, "op_overload", None)  # an op inductor calls, not generates
+            if getattr(op, "namespace", None) != "count_bytes":
+                kernels.append((phase, _origin_ops(node), node.get_read_write_buffers_sizes()))
+        return out
+
+    torch._dynamo.reset()
+    with (mock.patch.object(inductor_graph.GraphLowering, "codegen", counting_codegen),
+          inductor_config.patch(fx_graph_cache=False, autotune_local_cache=False),
+          torch._functorch.config.patch(enable_autograd_cache=False)):
+        out = torch.compile(fn, fullgraph=True, dynamic=False)(*inputs)
+        if grad is not None:
+            out.backward(grad)
+    torch._dynamo.reset()
+    return kernels
+
+
+def compiled_bytes_per_token(residual, stream_dtype, token_counts=COMPILED_TOKEN_COUNTS, n=N_STREAMS, width=WIDTH):
+    """The reference path compiled (torch.compile, inductor) as it runs on CUDA: residuals.mix_streams
+    in its CUDA form (multiply-adds, which inductor fuses), one connection's forward and backward
+    under bf16 autocast, counted by compiled_kernel_bytes per token (slope between token_counts).
+    Inductor generates CPU code here: its fusions are the scheduler's, not every choice of its CUDA
+    backend. Returns {"forward", "backward", "total": bytes, "kernels": [(phase, aten ops, bytes)]}
+    per token, the kernels largest first."""
+    runs = []
+    for tokens in token_counts:
+        generator = torch.Generator().manual_seed(0)
+        module = RESIDUALS[residual](width, n, 1)
+        x = torch.randn(tokens, 1, n, width, generator=generator).to(stream_dtype).requires_grad_()
+        grad = torch.randn(tokens, 1, n, width, generator=generator).to(stream_dtype)
+
+        def connection(x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return module(x, compiled_stand_in_branch)
+
+        with mock.patch.object(residuals, "mix_streams", residuals.mix_streams_elementwise):
+            runs.append(compiled_kernel_bytes(connection, x, grad=grad))
+    small, large = runs
+    if [k[:2] for k in small] != [k[:2] for k in large]:
+        raise RuntimeError(f"inductor made different kernels for {token_counts} tokens; no slope to take")
+    tokens = token_counts[1] - token_counts[0]
+    kernels = [(phase, ops_made_from, (b - a) / tokens) for (phase, ops_made_from, a), (_, _, b) in zip(small, large)]
+    entry = {phase: sum(b for p, _, b in kernels if p == phase) for phase in ("forward", "backward")}
+    entry["total"] = entry["forward"] + entry["backward"]
+    entry["kernels"] = sorted(kernels, key=lambda k: -k[2])
+    return entry
+
+
 @contextlib.contextmanager
 def counting_setup(splits=None, shipped_tiles=True):
     """The interpreter for CPU tensors and one token split of each split kernel, or `splits`
@@ -407,17 +510,21 @@ def count_all(residuals=VARIANTS, stream_dtypes=tuple(STREAM_DTYPES), shipped_ti
 
 
 def reference_markdown(residuals, stream_dtypes):
-    """The reference path's bytes per token (reference_bytes_per_token) against the floor, with the
-    aten ops that move the most."""
+    """The reference path's bytes per token, eager (reference_bytes_per_token) and compiled
+    (compiled_bytes_per_token), against the floor, with the compiled kernels that move the most."""
     kb = lambda b: f"{b / 1000:.1f}"  # noqa: E731
-    lines = ["| residual | streams | forward KB | backward KB | total KB | x floor | largest aten ops KB |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| residual | streams | eager KB | x floor | compiled: forward KB | backward KB | total KB | x floor | "
+             "largest compiled kernels KB (their aten ops) |", "|---|---|---|---|---|---|---|---|---|"]
     for residual in residuals:
         for name in stream_dtypes:
-            e = reference_bytes_per_token(residual, STREAM_DTYPES[name])
-            top = ", ".join(f"{op} {kb(b)}" for op, b in list(e["ops"].items())[:4])
-            lines.append(f"| {residual} | {name} | {kb(e['forward'])} | {kb(e['backward'])} | {kb(e['total'])} | "
-                         f"{e['total'] / budget(STREAM_DTYPES[name]):.2f} | {top} |")
+            floor = budget(STREAM_DTYPES[name])
+            eager = reference_bytes_per_token(residual, STREAM_DTYPES[name])
+            e = compiled_bytes_per_token(residual, STREAM_DTYPES[name])
+            top = "; ".join(f"{phase} {kb(b)} ({', '.join(ops_made_from[:4])})"
+                            for phase, ops_made_from, b in e["kernels"][:3])
+            lines.append(f"| {residual} | {name} | {kb(eager['total'])} | {eager['total'] / floor:.2f} | "
+                         f"{kb(e['forward'])} | {kb(e['backward'])} | {kb(e['total'])} | {e['total'] / floor:.2f} | "
+                         f"{top} |")
     return "\n".join(lines)
 
 
@@ -454,7 +561,8 @@ def main(argv=None):
     parser.add_argument("--json", help="also write the counts to this JSON file")
     parser.add_argument("--residuals", type=comma_list(VARIANTS), default=VARIANTS)
     parser.add_argument("--reference", action="store_true",
-                        help="count the reference path (residuals.py's aten ops, eager) instead of the kernels")
+                        help="count the reference path (residuals.py: its aten ops eager, its kernels compiled) "
+                             "instead of the fused kernels")
     parser.add_argument("--stream_dtypes", type=comma_list(tuple(STREAM_DTYPES)), default=tuple(STREAM_DTYPES))
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -464,8 +572,9 @@ def main(argv=None):
     if problem:
         parser.error(problem)
     if args.reference:
-        print(f"Bytes per token per connection of the reference path, eager aten ops (inputs + outputs), n = "
-              f"{N_STREAMS}, C = {WIDTH}, bf16 autocast (1 KB = 1000 bytes; floor 7 nCs + 16 C):\n")
+        print(f"Bytes per token per connection of the reference path, n = {N_STREAMS}, C = {WIDTH}, bf16 autocast "
+              f"(1 KB = 1000 bytes; floor 7 nCs + 16 C): eager, every aten op's inputs + outputs; compiled, "
+              f"every kernel inductor generates, its input and output buffers once each:\n")
         print(reference_markdown(args.residuals, args.stream_dtypes))
         return
     counts = count_all(args.residuals, args.stream_dtypes)
