@@ -111,17 +111,17 @@ def reduce_streams(x: torch.Tensor) -> torch.Tensor:
     return x.sum(dim=-2, dtype=at_least_fp32(x).dtype)
 
 
+def mixes_elementwise(x: torch.Tensor) -> bool:
+    """Whether the streams of x are mixed by multiply-adds, which inductor fuses (CUDA: a matmul with
+    n = 4 is a tiny-matrix bmm, slow, and TF32 would round the coefficients), or by batched matmuls
+    (CPU, where they are fastest)."""
+    return x.device.type == "cuda"
+
+
 def mix_streams(mixer: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """sum_j mixer[..., r, j] * x[..., j, :] for mixer (..., R, n) and x (..., n, C): (..., R, C).
-
-    On CPU one batched matmul is fastest. On CUDA a matmul with n = 4 is a tiny-matrix bmm (slow,
-    and TF32 would round the coefficients), so there it is n multiply-adds, which inductor fuses.
-    """
-    return mixer @ x if x.device.type != "cuda" else mix_streams_elementwise(mixer, x)
-
-
-def mix_streams_elementwise(mixer: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """mix_streams as n multiply-adds (its form on CUDA)."""
+    """sum_j mixer[..., r, j] * x[..., j, :] for mixer (..., R, n) and x (..., n, C): (..., R, C)."""
+    if not mixes_elementwise(x):
+        return mixer @ x
     out = mixer[..., :, 0, None] * x[..., None, 0, :]
     for j in range(1, x.shape[-2]):
         out = torch.addcmul(out, mixer[..., :, j, None], x[..., None, j, :])
@@ -236,13 +236,18 @@ class StreamConnection(nn.Module):
         with torch.autocast(x.device.type, enabled=False):
             x = at_least_fp32(x)
             coeffs = self.coefficients(x, matmul_dtype, operand)
-            # u and h_res x as two products, not one of the stacked coefficients: compiled, the backward
-            # then reads grad u and g as they are, where the stacked product's gradient concatenated
-            # them and two more passes read the (n + 1)-row result (python -m fused.tools.count_bytes
-            # --reference).
-            branch_input = self.mix(coeffs["h_pre"].unsqueeze(-2), x, matmul_dtype).squeeze(-2)
-            mixed = self.mix(coeffs["h_res"], x, matmul_dtype)
-        return coeffs, branch_input, mixed
+            if mixes_elementwise(x):
+                # Two products: compiled, the backward then reads grad u and g as they are, where one
+                # product of the stacked coefficients concatenates their gradients and reads the result
+                # twice more (python -m fused.tools.count_bytes --reference).
+                branch_input = self.mix(coeffs["h_pre"].unsqueeze(-2), x, matmul_dtype).squeeze(-2)
+                return coeffs, branch_input, self.mix(coeffs["h_res"], x, matmul_dtype)
+            # One batched matmul of the stacked (n + 1) x n coefficients makes u, h_res x and, backward,
+            # both their gradients in one pass each: on CPU faster than two products.
+            mixer = torch.cat([coeffs["h_pre"].unsqueeze(-2), coeffs["h_res"]], dim=-2)  # (B, T, n+1, n)
+            branch_input, mixed = self.mix(mixer, x, matmul_dtype).split([1, self.n_streams], dim=-2)
+        # A copy of u, so that the branch (which saves its input) does not keep the whole product alive.
+        return coeffs, branch_input.squeeze(-2).contiguous(), mixed
 
     def forward(self, x, branch):
         if self.recompute and torch.is_grad_enabled():

@@ -8,6 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import randomise
 
+import residuals
 from residuals import (RESIDUALS, HyperConnection, ManifoldHyperConnection, ManifoldHyperConnectionLite,
                        capture_connections, permutation_matrices, permutations, sinkhorn)
 
@@ -464,6 +465,29 @@ def test_projection_casts_x_to_bf16_only_for_fp32_streams(residual, stream_dtype
     with Bf16CopiesOf(values) as counter:
         forward_and_grads(module, values.to(stream_dtype), stream_state(seed=2))
     assert counter.copies == copies
+
+
+# ----------------------------------------------------------------------------------------------
+# The mixing's two forms: multiply-adds on CUDA, batched matmuls on CPU
+
+
+@pytest.mark.parametrize("residual", ["hc", "mhc", "mhclite"])
+def test_cuda_form_of_the_mixing_computes_what_the_cpu_form_computes(residual, monkeypatch):
+    """CUDA mixes the streams by multiply-adds, u and h_res x as two products; CPU by one batched
+    matmul of the stacked (n + 1) x n coefficients. The CUDA form, run here on CPU, gives the same
+    outputs and gradients to fp32 rounding."""
+    module = randomise(RESIDUALS[residual](8, 4, 1), scale=0.3)
+    x, grad_out = stream_state(), stream_state(seed=2)
+    mixer_rows = []
+    mix = module.mix
+    monkeypatch.setattr(module, "mix", lambda mixer, *args: mixer_rows.append(mixer.shape[-2]) or mix(mixer, *args))
+    cpu_out, cpu_grads = forward_and_grads(module, x, grad_out)
+    monkeypatch.setattr(residuals, "mixes_elementwise", lambda x: True)
+    cuda_out, cuda_grads = forward_and_grads(module, x, grad_out)
+    assert mixer_rows == [5, 1, 4]
+    torch.testing.assert_close(cuda_out, cpu_out, rtol=1e-6, atol=1e-6)
+    for cuda_grad, cpu_grad in zip(cuda_grads, cpu_grads):
+        torch.testing.assert_close(cuda_grad, cpu_grad, rtol=1e-5, atol=1e-6)
 
 
 def test_res_rejects_multiple_streams():

@@ -379,9 +379,9 @@ def compiled_kernel_bytes(fn, *inputs, grad=None):
 
 
 def compiled_bytes_per_token(residual, stream_dtype, token_counts=COMPILED_TOKEN_COUNTS, n=N_STREAMS, width=WIDTH):
-    """The reference path compiled (torch.compile, inductor) as it runs on CUDA: residuals.mix_streams
-    in its CUDA form (multiply-adds, which inductor fuses), one connection's forward and backward
-    under bf16 autocast, counted by compiled_kernel_bytes per token (slope between token_counts).
+    """The reference path compiled (torch.compile, inductor) as it runs on CUDA, its streams mixed by
+    multiply-adds (residuals.mixes_elementwise), one connection's forward and backward under bf16
+    autocast, counted by compiled_kernel_bytes per token (slope between token_counts).
     Inductor generates CPU code here: its fusions are the scheduler's, not every choice of its CUDA
     backend. Returns {"forward", "backward", "total": bytes, "kernels": [(phase, aten ops, bytes)]}
     per token, the kernels largest first."""
@@ -396,7 +396,7 @@ def compiled_bytes_per_token(residual, stream_dtype, token_counts=COMPILED_TOKEN
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 return module(x, compiled_stand_in_branch)
 
-        with mock.patch.object(residuals, "mix_streams", residuals.mix_streams_elementwise):
+        with mock.patch.object(residuals, "mixes_elementwise", lambda x: True):
             runs.append(compiled_kernel_bytes(connection, x, grad=grad))
     small, large = runs
     if [k[:2] for k in small] != [k[:2] for k in large]:
