@@ -378,15 +378,35 @@ def compiled_kernel_bytes(fn, *inputs, grad=None):
     return kernels
 
 
-def compiled_bytes_per_token(residual, stream_dtype, token_counts=COMPILED_TOKEN_COUNTS, n=N_STREAMS, width=WIDTH):
-    """The reference path compiled (torch.compile, inductor) as it runs on CUDA, its streams mixed by
-    multiply-adds (residuals.mixes_elementwise), one connection's forward and backward under bf16
-    autocast, counted by compiled_kernel_bytes per token (slope between token_counts).
-    Inductor generates CPU code here: its fusions are the scheduler's, not every choice of its CUDA
-    backend. Returns {"forward", "backward", "total": bytes, "kernels": [(phase, aten ops, bytes)]}
-    per token, the kernels largest first."""
+def compiled_slope(build, per_kernel=True, token_counts=COMPILED_TOKEN_COUNTS):
+    """{"forward", "backward", "total": bytes} per token of the compiled forward and backward that
+    build(tokens) -> (fn, x, grad) makes, the reference path's streams mixed as on CUDA
+    (residuals.mixes_elementwise), from the slope between token_counts; per_kernel: also "kernels",
+    [(phase, aten ops, bytes)] largest first, which needs the same kernels at both token counts."""
     runs = []
     for tokens in token_counts:
+        with mock.patch.object(residuals, "mixes_elementwise", lambda x: True):
+            fn, x, grad = build(tokens)
+            runs.append(compiled_kernel_bytes(fn, x, grad=grad))
+    small, large = runs
+    tokens = token_counts[1] - token_counts[0]
+    entry = {phase: (sum(b for p, _, b in large if p == phase) - sum(b for p, _, b in small if p == phase)) / tokens
+             for phase in ("forward", "backward")}
+    entry["total"] = entry["forward"] + entry["backward"]
+    if per_kernel:
+        if [k[:2] for k in small] != [k[:2] for k in large]:
+            raise RuntimeError(f"inductor made different kernels for {token_counts} tokens; no slope per kernel")
+        kernels = [(phase, made_from, (b - a) / tokens) for (phase, made_from, a), (_, _, b) in zip(small, large)]
+        entry["kernels"] = sorted(kernels, key=lambda k: -k[2])
+    return entry
+
+
+def compiled_bytes_per_token(residual, stream_dtype, n=N_STREAMS, width=WIDTH):
+    """The reference path compiled (torch.compile, inductor) as it runs on CUDA: one connection's
+    forward and backward under bf16 autocast, the branch the opaque stand-in, by compiled_slope.
+    Inductor generates CPU code here: its fusions are the scheduler's, not every choice of its CUDA
+    backend."""
+    def build(tokens):
         generator = torch.Generator().manual_seed(0)
         module = RESIDUALS[residual](width, n, 1)
         x = torch.randn(tokens, 1, n, width, generator=generator).to(stream_dtype).requires_grad_()
@@ -395,18 +415,30 @@ def compiled_bytes_per_token(residual, stream_dtype, token_counts=COMPILED_TOKEN
         def connection(x):
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 return module(x, compiled_stand_in_branch)
+        return connection, x, grad
+    return compiled_slope(build)
 
-        with mock.patch.object(residuals, "mixes_elementwise", lambda x: True):
-            runs.append(compiled_kernel_bytes(connection, x, grad=grad))
-    small, large = runs
-    if [k[:2] for k in small] != [k[:2] for k in large]:
-        raise RuntimeError(f"inductor made different kernels for {token_counts} tokens; no slope to take")
-    tokens = token_counts[1] - token_counts[0]
-    kernels = [(phase, ops_made_from, (b - a) / tokens) for (phase, ops_made_from, a), (_, _, b) in zip(small, large)]
-    entry = {phase: sum(b for p, _, b in kernels if p == phase) for phase in ("forward", "backward")}
-    entry["total"] = entry["forward"] + entry["backward"]
-    entry["kernels"] = sorted(kernels, key=lambda k: -k[2])
-    return entry
+
+def compiled_block_bytes_per_token(residual, stream_dtype):
+    """compiled_bytes_per_token in context: one model.Block at M's shape (attention and MLP with
+    their two connections; res for comparison), compiled whole, so inductor may fuse across the
+    connections' edges; the sublayers' own kernels are counted too."""
+    from model import Block, GPTConfig
+
+    def build(tokens):
+        torch.manual_seed(0)
+        config = GPTConfig(residual=residual, stream_dtype=str(stream_dtype).removeprefix("torch."),
+                           block_size=COMPILED_TOKEN_COUNTS[-1])
+        block = Block(config, 1)
+        generator = torch.Generator().manual_seed(0)
+        shape = (1, tokens, config.n_streams, config.n_embd)
+        x = torch.randn(shape, generator=generator).to(stream_dtype).requires_grad_()
+
+        def forward(x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return block(x)
+        return forward, x, torch.randn(shape, generator=generator).to(stream_dtype)
+    return compiled_slope(build, per_kernel=False)  # inductor orders a Block's kernels differently per size
 
 
 @contextlib.contextmanager
@@ -525,6 +557,16 @@ def reference_markdown(residuals, stream_dtypes):
             lines.append(f"| {residual} | {name} | {kb(eager['total'])} | {eager['total'] / floor:.2f} | "
                          f"{kb(e['forward'])} | {kb(e['backward'])} | {kb(e['total'])} | {e['total'] / floor:.2f} | "
                          f"{top} |")
+    lines += ["", "In context: one Block (attention, MLP and their two connections) at M's shape, compiled whole, "
+              "against res's (fp32 stream):", "",
+              "| residual | streams | forward KB | backward KB | total KB | x res | more than res per connection KB |",
+              "|---|---|---|---|---|---|---|"]
+    res = compiled_block_bytes_per_token("res", torch.float32)
+    rows = [("res", "float32", res)] + [(residual, name, compiled_block_bytes_per_token(residual, STREAM_DTYPES[name]))
+                                        for name in stream_dtypes for residual in residuals]
+    for residual, name, e in rows:
+        lines.append(f"| {residual} | {name} | {kb(e['forward'])} | {kb(e['backward'])} | {kb(e['total'])} | "
+                     f"{e['total'] / res['total']:.2f} | {kb((e['total'] - res['total']) / 2)} |")
     return "\n".join(lines)
 
 

@@ -145,6 +145,19 @@ def test_compiled_reference_path_passes_over_the_streams_at_most_so_often():
     assert entry["total"] == pytest.approx(sum(moved for _, _, moved in entry["kernels"]))
 
 
+@pytest.mark.slow
+def test_in_a_block_the_connections_move_no_more_than_alone():
+    """One compiled Block with mhclite's two connections moves more than res's Block by at most twice
+    what one connection moves alone (the difference leaves out res's own adds, and inductor may fuse
+    across a connection's edges) and by at least 3 nCs per connection (the floor is 7)."""
+    block = count_bytes.compiled_block_bytes_per_token("mhclite", torch.float32)
+    res_block = count_bytes.compiled_block_bytes_per_token("res", torch.float32)
+    alone = count_bytes.compiled_bytes_per_token("mhclite", torch.float32)
+    stream = count_bytes.N_STREAMS * count_bytes.WIDTH * 4
+    assert 2 * 3 * stream <= block["total"] - res_block["total"] <= 2 * alone["total"]
+    assert block["total"] == pytest.approx(block["forward"] + block["backward"])
+
+
 @pytest.fixture(scope="module")
 def counts():
     """Unique bytes of every variant and stream dtype, from the fewest interpreted loop trips."""
