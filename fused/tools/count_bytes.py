@@ -29,15 +29,17 @@ kernel's weight, which each split reads again (executed only: L2 holds it for al
 One split's bytes are the difference between two splits and one on the same tokens; times the
 shipped splits over M's 16,384 tokens per micro-step, they are bytes per token at M.
 The reference path is counted twice: eager, every aten op as above; and compiled, every kernel
-inductor generates (a fused group of ops, or a GEMM) as its scheduler counts it, its input and
-output buffers once each (compiled_bytes_per_token).
+(a fused group of ops, or a GEMM) inductor's CUDA backend makes, scheduled as for an H100 without
+one, its input and output buffers once each as the scheduler counts them (compiled_kernel_bytes).
 """
 
 import argparse
 import collections
 import contextlib
+import copy
 import json
 import os
+import types
 from unittest import mock
 
 # Triton reads TRITON_INTERPRET when it is imported, which the ops do at their first launch.
@@ -59,7 +61,9 @@ N_STREAMS, WIDTH = 4, 768
 # Multiples of every kernel's BLOCK_T, so that per-block traffic (the weight read by each program) is in the slopes.
 TOKEN_COUNTS = (64, 128)
 UNIQUE_TOKEN_COUNTS = (32, 64)  # one and two blocks of COUNTING_BLOCK_T: enough for unique bytes
-COMPILED_TOKEN_COUNTS = (128, 256)
+# Enough tokens that inductor's CUDA backend makes the same kernels at both (it splits small reductions).
+COMPILED_TOKEN_COUNTS = (2048, 4096)
+M_SEQUENCE = 1024  # tokens per sequence at M: a Block's compiled count runs whole sequences
 # Unique bytes only (UNIQUE_TOKEN_COUNTS, the split bytes): tokens per program at most this, for few
 # interpreted loop trips; a kernel's shipped BLOCK_T below it is kept, since its per-block outputs
 # (pre_backward_reduce's grad scale and grad bias) are unique bytes per block.
@@ -348,97 +352,175 @@ def _origin_ops(scheduler_node):
     return ops_seen
 
 
-def compiled_kernel_bytes(fn, *inputs, grad=None):
-    """[(phase, aten ops, bytes)] of every kernel inductor generates for fn(*inputs) and, with grad,
-    its backward (output.backward(grad)): compiled without caches (every graph is lowered), each
-    kernel's input and output buffers counted once, as its scheduler counts them; the stand-in
-    branch's kernels left out."""
+# What inductor's CUDA backend asks of the device while it schedules (an H100 SXM), so that it
+# schedules for CUDA on a machine without one.
+H100_PROPERTIES = types.SimpleNamespace(
+    name="NVIDIA H100 80GB HBM3", major=9, minor=0, multi_processor_count=132, regs_per_multiprocessor=65536,
+    max_threads_per_multi_processor=2048, max_threads_per_block=1024, warp_size=32, total_memory=80 * 2 ** 30,
+    L2_cache_size=50 * 2 ** 20, shared_memory_per_block=48 * 1024, shared_memory_per_block_optin=227 * 1024,
+    shared_memory_per_multiprocessor=228 * 1024, gcnArchName="")
+
+
+class _Scheduled(Exception):
+    """Raised once inductor has scheduled a graph's kernels: no code is generated."""
+
+
+def _shape_checked_scatter(inp, src, view_ops):
+    """inductor's reinplace pass checks a scatter by a copy_ between fake tensors, which a CPU build
+    of torch refuses for CUDA ones; the same check by shapes."""
+    target = inp
+    for view in view_ops:
+        args, kwargs = torch.utils._pytree.tree_map(
+            lambda a: a.meta["val"] if isinstance(a, torch.fx.Node) else a, (view.args, view.kwargs))
+        target = view.target(target, *args, **kwargs)
+    torch.broadcast_shapes(src.shape, target.shape)
+    return inp
+
+
+@contextlib.contextmanager
+def _cuda_without_a_gpu():
+    """torch.cuda's device queries answered as an H100 would answer them, for inductor's scheduler."""
+    from torch._dynamo.device_interface import CudaInterface
+    patches = [mock.patch("torch.cuda.get_device_properties", lambda *a, **k: H100_PROPERTIES),
+               mock.patch("torch.cuda.get_device_capability", lambda *a, **k: (9, 0)),
+               mock.patch("torch.cuda.is_available", lambda: True),
+               mock.patch("torch.cuda.device_count", lambda: 1),
+               mock.patch("torch.cuda.current_device", lambda: 0),
+               mock.patch("torch.cuda.get_rng_state", lambda *a, **k: torch.zeros(16, dtype=torch.uint8)),
+               mock.patch("torch.cuda.set_rng_state", lambda *a, **k: None),
+               mock.patch("torch.cuda._exchange_device", lambda index: -1),
+               mock.patch("torch.cuda._maybe_exchange_device", lambda index: -1),
+               mock.patch("torch._inductor.scheduler.has_triton", lambda: True),
+               mock.patch("torch._inductor.fx_passes.reinplace._inplace_generalized_scatter", _shape_checked_scatter),
+               mock.patch.object(CudaInterface, "get_compute_capability", staticmethod(lambda *a, **k: 90)),
+               mock.patch.object(CudaInterface, "get_device_properties", staticmethod(lambda *a, **k: H100_PROPERTIES))]
+    with contextlib.ExitStack() as stack:
+        for patch in patches:
+            stack.enter_context(patch)
+        yield
+
+
+def _is_scheduled(error):
+    """Whether error is, or wraps (inductor wraps what its passes raise), _Scheduled."""
+    while error is not None and not isinstance(error, _Scheduled):
+        error = getattr(error, "inner_exception", None) or error.__cause__
+    return error is not None
+
+
+def compiled_kernel_bytes(fn, *inputs):
+    """[(phase, aten ops, bytes)] of every kernel inductor's CUDA backend makes for fn(*inputs) and, for
+    inputs that require grad, its backward, each kernel's input and output buffers counted once, as
+    its scheduler counts them; the stand-in branch's kernels left out. No GPU needed: each graph
+    AOTAutograd partitions (forward, and backward at once) is copied with CUDA devices and CUDA fake
+    inputs and lowered and scheduled by inductor as for an H100, up to code generation; fn itself
+    runs eagerly on the CPU. Caches are off, so every graph is scheduled."""
     import torch._inductor.config as inductor_config
-    import torch._inductor.graph as inductor_graph
+    from torch._guards import detect_fake_mode
+    from torch._inductor import compile_fx
+    from torch._inductor.scheduler import Scheduler
+    from torch._inductor.virtualized import V
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-    kernels, codegen = [], inductor_graph.GraphLowering.codegen
+    kernels = []
 
-    def counting_codegen(graph, *args, **kwargs):
-        out = codegen(graph, *args, **kwargs)
-        phase = "backward" if graph.is_backward else "forward"
-        for node in graph.scheduler.nodes:
+    def count_and_stop(scheduler):
+        phase = "backward" if V.graph.is_backward else "forward"
+        for node in scheduler.nodes:
             op = getattr(node.node, "op_overload", None)  # an op inductor calls, not generates
             if getattr(op, "namespace", None) != "count_bytes":
                 kernels.append((phase, _origin_ops(node), node.get_read_write_buffers_sizes()))
-        return out
+        raise _Scheduled()
+
+    def schedule_for_cuda(graph_module, example_inputs, **kwargs):
+        cuda_module = copy.deepcopy(graph_module)
+        for node in cuda_module.graph.nodes:
+            if isinstance(node.kwargs.get("device"), torch.device):
+                node.kwargs = {**node.kwargs, "device": torch.device("cuda", 0)}
+        cuda_module.recompile()
+        fake_mode = detect_fake_mode(example_inputs)
+        with fake_mode:
+            cuda_inputs = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cuda")
+                           if isinstance(t, torch.Tensor) else t for t in example_inputs]
+        with _cuda_without_a_gpu(), mock.patch.object(Scheduler, "codegen", count_and_stop):
+            FakeTensorProp(cuda_module, fake_mode).propagate_dont_convert_inputs(*cuda_inputs)
+            try:
+                compile_fx.compile_fx_inner(cuda_module, cuda_inputs, **kwargs)
+            except Exception as error:
+                if not _is_scheduled(error):
+                    raise
+        return graph_module  # runs the CPU graph eagerly
 
     torch._dynamo.reset()
-    with (mock.patch.object(inductor_graph.GraphLowering, "codegen", counting_codegen),
-          inductor_config.patch(fx_graph_cache=False, autotune_local_cache=False),
-          torch._functorch.config.patch(enable_autograd_cache=False)):
-        out = torch.compile(fn, fullgraph=True, dynamic=False)(*inputs)
-        if grad is not None:
-            out.backward(grad)
+    with (inductor_config.patch(fx_graph_cache=False, autotune_local_cache=False),
+          torch._functorch.config.patch(enable_autograd_cache=False, force_non_lazy_backward_lowering=True)):
+        backend = lambda gm, example_inputs: compile_fx.compile_fx(gm, example_inputs,  # noqa: E731
+                                                                   inner_compile=schedule_for_cuda)
+        torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*inputs)
     torch._dynamo.reset()
     return kernels
 
 
-def compiled_slope(build, per_kernel=True, token_counts=COMPILED_TOKEN_COUNTS):
-    """{"forward", "backward", "total": bytes} per token of the compiled forward and backward that
-    build(tokens) -> (fn, x, grad) makes, the reference path's streams mixed as on CUDA
-    (residuals.mixes_elementwise), from the slope between token_counts; per_kernel: also "kernels",
-    [(phase, aten ops, bytes)] largest first, which needs the same kernels at both token counts."""
+def compiled_slope(build, token_counts=COMPILED_TOKEN_COUNTS):
+    """{"forward", "backward", "total": bytes} per token of the compiled forward and backward of the
+    fn(x) that build(tokens) -> (fn, x) makes, the reference path's streams mixed as on CUDA
+    (residuals.mixes_elementwise), from the slope between token_counts; "kernels": [(phase, aten
+    ops, bytes)] largest first, the kernels made from the same aten ops taken together (inductor
+    orders kernels, and splits small reductions, differently at different sizes)."""
     runs = []
     for tokens in token_counts:
         with mock.patch.object(residuals, "mixes_elementwise", lambda x: True):
-            fn, x, grad = build(tokens)
-            runs.append(compiled_kernel_bytes(fn, x, grad=grad))
+            kernels = compiled_kernel_bytes(*build(tokens))
+        by_origin = collections.Counter()
+        for phase, made_from, moved in kernels:
+            by_origin[phase, tuple(made_from)] += moved
+        runs.append(by_origin)
     small, large = runs
     tokens = token_counts[1] - token_counts[0]
-    entry = {phase: (sum(b for p, _, b in large if p == phase) - sum(b for p, _, b in small if p == phase)) / tokens
-             for phase in ("forward", "backward")}
+    slopes = {key: (large[key] - small[key]) / tokens for key in large | small}
+    entry = {phase: sum(b for (p, _), b in slopes.items() if p == phase) for phase in ("forward", "backward")}
     entry["total"] = entry["forward"] + entry["backward"]
-    if per_kernel:
-        if [k[:2] for k in small] != [k[:2] for k in large]:
-            raise RuntimeError(f"inductor made different kernels for {token_counts} tokens; no slope per kernel")
-        kernels = [(phase, made_from, (b - a) / tokens) for (phase, made_from, a), (_, _, b) in zip(small, large)]
-        entry["kernels"] = sorted(kernels, key=lambda k: -k[2])
+    entry["kernels"] = sorted(((phase, list(made_from), b) for (phase, made_from), b in slopes.items()),
+                              key=lambda k: -k[2])
     return entry
 
 
 def compiled_bytes_per_token(residual, stream_dtype, n=N_STREAMS, width=WIDTH):
     """The reference path compiled (torch.compile, inductor) as it runs on CUDA: one connection's
-    forward and backward under bf16 autocast, the branch the opaque stand-in, by compiled_slope.
-    Inductor generates CPU code here: its fusions are the scheduler's, not every choice of its CUDA
-    backend."""
+    forward and backward under bf16 autocast, the branch the opaque stand-in, scheduled by inductor's
+    CUDA backend (compiled_kernel_bytes), by compiled_slope."""
     def build(tokens):
         generator = torch.Generator().manual_seed(0)
         module = RESIDUALS[residual](width, n, 1)
         x = torch.randn(tokens, 1, n, width, generator=generator).to(stream_dtype).requires_grad_()
-        grad = torch.randn(tokens, 1, n, width, generator=generator).to(stream_dtype)
 
         def connection(x):
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 return module(x, compiled_stand_in_branch)
-        return connection, x, grad
+        return connection, x
     return compiled_slope(build)
 
 
 def compiled_block_bytes_per_token(residual, stream_dtype):
-    """compiled_bytes_per_token in context: one model.Block at M's shape (attention and MLP with
-    their two connections; res for comparison), compiled whole, so inductor may fuse across the
-    connections' edges; the sublayers' own kernels are counted too."""
+    """compiled_bytes_per_token in context: one model.Block at M's sequence length (attention and MLP
+    with their two connections; res for comparison), compiled whole, so inductor may fuse across the
+    connections' edges; the sublayers' own kernels are counted too (attention: the CPU's
+    scaled-dot-product op, scheduled as an opaque kernel like CUDA's)."""
     from model import Block, GPTConfig
 
     def build(tokens):
         torch.manual_seed(0)
         config = GPTConfig(residual=residual, stream_dtype=str(stream_dtype).removeprefix("torch."),
-                           block_size=COMPILED_TOKEN_COUNTS[-1])
+                           block_size=M_SEQUENCE)
         block = Block(config, 1)
         generator = torch.Generator().manual_seed(0)
-        shape = (1, tokens, config.n_streams, config.n_embd)
+        shape = (tokens // M_SEQUENCE, M_SEQUENCE, config.n_streams, config.n_embd)
         x = torch.randn(shape, generator=generator).to(stream_dtype).requires_grad_()
 
         def forward(x):
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 return block(x)
-        return forward, x, torch.randn(shape, generator=generator).to(stream_dtype)
-    return compiled_slope(build, per_kernel=False)  # inductor orders a Block's kernels differently per size
+        return forward, x
+    return compiled_slope(build)
 
 
 @contextlib.contextmanager
@@ -616,7 +698,7 @@ def main(argv=None):
     if args.reference:
         print(f"Bytes per token per connection of the reference path, n = {N_STREAMS}, C = {WIDTH}, bf16 autocast "
               f"(1 KB = 1000 bytes; floor 7 nCs + 16 C): eager, every aten op's inputs + outputs; compiled, "
-              f"every kernel inductor generates, its input and output buffers once each:\n")
+              f"every kernel inductor's CUDA backend makes, its input and output buffers once each:\n")
         print(reference_markdown(args.residuals, args.stream_dtypes))
         return
     counts = count_all(args.residuals, args.stream_dtypes)
