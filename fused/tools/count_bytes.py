@@ -412,8 +412,8 @@ def compiled_kernel_bytes(fn, *inputs):
     inputs that require grad, its backward, each kernel's input and output buffers counted once, as
     its scheduler counts them; the stand-in branch's kernels left out. No GPU needed: each graph
     AOTAutograd partitions (forward, and backward at once) is copied with CUDA devices and CUDA fake
-    inputs and lowered and scheduled by inductor as for an H100, up to code generation; fn itself
-    runs eagerly on the CPU. Caches are off, so every graph is scheduled."""
+    inputs and lowered and scheduled by inductor as for an H100, up to code generation; nothing
+    runs. Caches are off, so every graph is scheduled."""
     import torch._inductor.config as inductor_config
     from torch._guards import detect_fake_mode
     from torch._inductor import compile_fx
@@ -448,16 +448,26 @@ def compiled_kernel_bytes(fn, *inputs):
             except Exception as error:
                 if not _is_scheduled(error):
                     raise
-        return graph_module  # runs the CPU graph eagerly
+        return _never_run
 
     torch._dynamo.reset()
     with (inductor_config.patch(fx_graph_cache=False, autotune_local_cache=False),
           torch._functorch.config.patch(enable_autograd_cache=False, force_non_lazy_backward_lowering=True)):
         backend = lambda gm, example_inputs: compile_fx.compile_fx(gm, example_inputs,  # noqa: E731
                                                                    inner_compile=schedule_for_cuda)
-        torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*inputs)
+        try:
+            torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*inputs)
+        except Exception as error:
+            if not _is_scheduled(error):
+                raise
     torch._dynamo.reset()
     return kernels
+
+
+def _never_run(*args):
+    """What compiled_kernel_bytes compiles to: by the time the forward would run, both graphs are
+    scheduled, so nothing runs."""
+    raise _Scheduled()
 
 
 def compiled_slope(build, token_counts=COMPILED_TOKEN_COUNTS):

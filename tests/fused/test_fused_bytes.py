@@ -146,6 +146,27 @@ def test_compiled_reference_path_passes_over_the_streams_at_most_so_often():
     assert entry["total"] == pytest.approx(sum(moved for _, _, moved in entry["kernels"]))
 
 
+@pytest.mark.parametrize("stream_dtype", [torch.float32, torch.bfloat16])
+def test_compiled_the_fused_path_adds_no_pass_over_the_streams_around_its_ops(stream_dtype):
+    """The fused connection compiled as on CUDA: besides its custom ops, whose traffic the
+    interpreter counts, inductor makes only kernels on the parameters (their packing, the sum of
+    grad W's splits), none of which grows with the tokens: compiling adds no copy or cast of the
+    streams around the kernels."""
+    def build(tokens):
+        module = RESIDUALS["mhclite"](count_bytes.WIDTH, count_bytes.N_STREAMS, 1)
+        x = torch.randn(1, tokens, count_bytes.N_STREAMS, count_bytes.WIDTH).to(stream_dtype).requires_grad_()
+
+        def connection(x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return fused.connection_forward(module, x, count_bytes.compiled_stand_in_branch)
+        return connection, x
+    entry = count_bytes.compiled_slope(build)
+    around = [(phase, made_from, moved) for phase, made_from, moved in entry["kernels"]
+              if not any(op.startswith("hcfused.") for op in made_from)]
+    assert around and all(moved == 0 for _, _, moved in around)
+    assert any(moved > count_bytes.budget(stream_dtype) / 16 for _, _, moved in entry["kernels"])
+
+
 @pytest.mark.slow
 def test_in_a_block_the_connections_move_no_more_than_alone():
     """One compiled Block with mhclite's two connections moves more than res's Block by at most twice
