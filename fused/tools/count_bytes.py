@@ -362,7 +362,8 @@ H100_PROPERTIES = types.SimpleNamespace(
 
 
 class _Scheduled(Exception):
-    """Raised once inductor has scheduled a graph's kernels: no code is generated."""
+    """Stops compiled_kernel_bytes where inductor has scheduled a graph's kernels (no code is
+    generated) and where the compiled function would run (nothing runs)."""
 
 
 def _shape_checked_scatter(inp, src, view_ops):
