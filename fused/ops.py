@@ -55,7 +55,7 @@ TILES = {"pre_kernel": dict(BLOCK_T=16, BLOCK_C=64, num_warps=8, STAGES=2),
 # and the shipped tiles spill (the backward's under triton 3.6 on sm_80).
 UNALIGNED_PRE_BLOCK_C = 32
 UNALIGNED_BACKWARD_BLOCK_C = 16
-# mhc's spills 8 B on sm_90 at 32 tokens, at 8 warps, or with its loop pipelined.
+# mhc's spills on sm_90 at 32 tokens, at 8 warps, or with its loop pipelined.
 UNALIGNED_REDUCE_TILE = dict(BLOCK_T=16, num_warps=4, STAGES=1)
 # fp32 x fp32 products (no bf16 autocast) need more registers: the grad-W kernel's spill at 32
 # tokens per step with bf16 streams, pre's at 64 channels per step under triton 3.6.
@@ -64,8 +64,7 @@ FP32_OPERANDS_PRE_BLOCK_C = 32
 # hc's pre projects (token, stream) rows, so tl.dot's 16 rows take 4 tokens; its lighter program
 # keeps more of them resident per SM, so fewer tokens each keep their x tiles in L2 for the re-read.
 HC_PRE_BLOCK_T = 8
-# hc's reduce kernel with its loop pipelined needs 134-138 registers at 32 tokens (1 CTA per SM);
-# 78 at 16.
+# hc's reduce kernel with its loop pipelined holds one CTA per SM at 32 tokens, three at 16.
 HC_REDUCE_BLOCK_T = 16
 # mhc's pre also runs the Sinkhorn iterations: at 64 channels per step triton 3.6 spills on sm_90.
 MHC_PRE_BLOCK_C = 32
