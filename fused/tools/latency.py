@@ -173,25 +173,32 @@ def predicted_times(result):
 
 def step_predictions(result):
     """mhclite's fused training step at M per stream dtype: the measured fused step with the measured
-    connection kernels of the calibration (the kernels then) replaced by the predicted ones of now."""
+    connection kernels of the calibration (the kernels then) replaced by the predicted ones of now;
+    and, as the least the kernels' bytes allow, by their DRAM bytes alone at COPY_BANDWIDTH."""
     steps, predictions = result["steps"], []
     for stream_dtype, fused_ms in steps["fused_ms"].items():
         then = sum(r["us"] for r in result["calibration"] if r["stream_dtype"] == stream_dtype and "tile" not in r)
-        now = sum(p["predicted_us"] for p in result["profiles"]
-                  if p["residual"] == "mhclite" and p["stream_dtype"] == stream_dtype)
-        step_ms = fused_ms + steps["connections_per_step"] * (now - then) / 1000
-        predictions.append(dict(stream_dtype=stream_dtype, connection_us_then=then, connection_us_predicted=now,
+        now = [p for p in result["profiles"] if p["residual"] == "mhclite" and p["stream_dtype"] == stream_dtype]
+        predicted = sum(p["predicted_us"] for p in now)
+        at_dram = sum(1e6 * p["dram_per_token"] * p["tokens"] / COPY_BANDWIDTH for p in now)
+        step_ms = fused_ms + steps["connections_per_step"] * (predicted - then) / 1000
+        step_ms_at_dram = fused_ms + steps["connections_per_step"] * (at_dram - then) / 1000
+        predictions.append(dict(stream_dtype=stream_dtype, connection_us_then=then, connection_us_predicted=predicted,
                                 step_ms_then=fused_ms, step_ms_predicted=step_ms,
-                                x_res=step_ms / steps["res_ms"], x_reference=step_ms / steps["reference_ms"]))
+                                x_res=step_ms / steps["res_ms"], x_reference=step_ms / steps["reference_ms"],
+                                connection_us_at_dram=at_dram, step_ms_at_dram=step_ms_at_dram,
+                                x_res_at_dram=step_ms_at_dram / steps["res_ms"]))
     return predictions
 
 
 def steps_table(predictions):
     rows = [[p["stream_dtype"], fmt(p["connection_us_then"], ",.0f"), fmt(p["connection_us_predicted"], ",.0f"),
              fmt(p["step_ms_then"], ".1f"), fmt(p["step_ms_predicted"], ".1f"), fmt(p["x_res"], ".2f"),
-             fmt(p["x_reference"], ".2f")] for p in predictions]
+             fmt(p["x_reference"], ".2f"), fmt(p["connection_us_at_dram"], ",.0f"), fmt(p["step_ms_at_dram"], ".1f"),
+             fmt(p["x_res_at_dram"], ".2f")] for p in predictions]
     return markdown_table(["streams", "connection kernels us, measured then", "predicted now",
-                           "fused step ms, measured then", "predicted now", "x res", "x reference path"], rows)
+                           "fused step ms, measured then", "predicted now", "x res", "x reference path",
+                           "connection us at DRAM bytes alone", "step ms", "x res"], rows)
 
 
 def profiles_table(profiles):
@@ -237,7 +244,7 @@ def main(argv=None):
           f"measured {a['ratio_min']:.2f} to {a['ratio_max']:.2f} (geometric mean {a['ratio_geomean']:.2f})\n")
     print(calibration_table(result["calibration"]))
     print("\nmhclite's fused step at M: the measured step with its connection kernels' measured times replaced by "
-          "the predicted ones\n")
+          "the predicted ones, and by their DRAM bytes at the copy's bandwidth alone (no latency)\n")
     print(steps_table(result["step_predictions"]))
     if args.predictions:
         with open(args.predictions, "w", encoding="utf-8") as f:

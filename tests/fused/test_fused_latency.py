@@ -72,17 +72,24 @@ def test_cli_refuses_the_interpreter():
     assert proc.returncode == 2 and proc.stderr.startswith("error: TRITON_INTERPRET=1")
 
 
-def test_the_step_prediction_swaps_the_measured_kernels_for_the_predicted_ones():
+def test_the_step_prediction_swaps_the_measured_kernels_for_the_predicted_ones_and_for_their_dram_bytes():
     result = dict(steps=dict(connections_per_step=24, res_ms=30.0, reference_ms=60.0, fused_ms={"float32": 100.0}),
                   calibration=[dict(kernel="a", stream_dtype="float32", us=3000.0),
                                dict(kernel="a", stream_dtype="float32", tile=(32, 32, 4), us=1000.0)],
-                  profiles=[dict(residual="mhclite", stream_dtype="float32", predicted_us=500.0),
-                            dict(residual="mhclite", stream_dtype="float32", predicted_us=250.0),
-                            dict(residual="hc", stream_dtype="float32", predicted_us=9999.0)])
+                  profiles=[dict(residual="mhclite", stream_dtype="float32", predicted_us=500.0, tokens=1000,
+                                 dram_per_token=0.2 * latency.COPY_BANDWIDTH / 1e6),  # 200 us of DRAM bytes
+                            dict(residual="mhclite", stream_dtype="float32", predicted_us=250.0, tokens=1000,
+                                 dram_per_token=0.1 * latency.COPY_BANDWIDTH / 1e6),
+                            dict(residual="hc", stream_dtype="float32", predicted_us=9999.0, tokens=1000,
+                                 dram_per_token=1e9)])
     [prediction] = latency.step_predictions(result)
     assert prediction["connection_us_then"] == 3000.0 and prediction["connection_us_predicted"] == 750.0
     assert prediction["step_ms_predicted"] == pytest.approx(100.0 - 24 * 2.25)
     assert prediction["x_res"] == pytest.approx(46.0 / 30.0)
+    # The least the bytes allow: each kernel at its DRAM bytes, no latency.
+    assert prediction["connection_us_at_dram"] == pytest.approx(300.0)
+    assert prediction["step_ms_at_dram"] == pytest.approx(100.0 - 24 * 2.7)
+    assert prediction["x_res_at_dram"] == pytest.approx(35.2 / 30.0)
 
 
 def test_the_calibration_file_holds_the_kernels_that_were_timed():
