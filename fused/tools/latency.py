@@ -83,11 +83,16 @@ def profile(counts, kernel, grid, resources, tokens):
                 in_flight_per_sm=min(resources["ctas_per_sm"], programs / SMS) * executed / loads, tokens=tokens)
 
 
+def dram_seconds(p):
+    """A profile's DRAM bytes at the copy's bandwidth: its time with no latency at all."""
+    return p["dram_per_token"] * p["tokens"] / COPY_BANDWIDTH
+
+
 def predict(p, step_latency):
     """(predicted seconds, what binds it) of a profile: the DRAM bytes at the copy's bandwidth plus
     the serial round trips of the programs that the bytes in flight do not hide; bound "latency"
     when the round trips take longer than the bytes."""
-    dram = p["dram_per_token"] * p["tokens"] / COPY_BANDWIDTH
+    dram = dram_seconds(p)
     round_trips = max(p["waves"], 1.0) * p["steps_per_program"] * step_latency
     return dram + round_trips, ("latency" if round_trips > dram else "DRAM")
 
@@ -180,7 +185,7 @@ def step_predictions(result):
         then = sum(r["us"] for r in result["calibration"] if r["stream_dtype"] == stream_dtype and "tile" not in r)
         now = [p for p in result["profiles"] if p["residual"] == "mhclite" and p["stream_dtype"] == stream_dtype]
         predicted = sum(p["predicted_us"] for p in now)
-        at_dram = sum(1e6 * p["dram_per_token"] * p["tokens"] / COPY_BANDWIDTH for p in now)
+        at_dram = sum(1e6 * dram_seconds(p) for p in now)
         step_ms = fused_ms + steps["connections_per_step"] * (predicted - then) / 1000
         step_ms_at_dram = fused_ms + steps["connections_per_step"] * (at_dram - then) / 1000
         predictions.append(dict(stream_dtype=stream_dtype, connection_us_then=then, connection_us_predicted=predicted,
