@@ -15,7 +15,8 @@ caches (measured, docs/benchmarks.md; the CPU tests of the tests part were not t
   train    4    20 steps of train.py per variant at M on random tokens, compiled block by block (the
                 first step's time is the cold compile); the trained H_res's row and column sums
   kernels  1    each fused kernel alone (python -m benchmarks.kernels): GB/s from the counted bytes per
-                token against a device-to-device copy, and the backward by its number of grad-W partials
+                token against a device-to-device copy, beside the time python -m fused.tools.latency
+                predicts for this GPU, and the backward by its number of grad-W partials
   sharded  ?    train.py's sharded mode on this one GPU: mhclite at M under torchrun with --parallel=fsdp
                 (NCCL, fused AdamW on the sharded parameters, compiled block by block), then the same with
                 activation checkpointing; the steps' tokens/s and the last loss of each (not timed yet)
@@ -103,8 +104,15 @@ def part_commands(part, args):
         return [(f"train.py under torchrun, {name}", python(
             *torchrun, *train_flags(args, "mhclite", sharded_dir(name)), "--parallel=fsdp", *flags), {})
             for name, flags in SHARDED_RUNS]
-    return [("benchmarks.kernels", python("-m", "benchmarks.kernels", "--size", args.size, "--device", args.device,
-                                          *shape, "--json", os.path.join(args.out, "kernels.json")), fused_env)]
+    # The predictions for this GPU and its triton (compiled, never interpreted), then the times beside them.
+    predictions = os.path.join(args.out, "predicted_times.json")
+    machine = "cuda" if args.device == "cuda" else "h200"
+    return [("fused.tools.latency", python("-m", "fused.tools.latency", "--machine", machine, "--predictions",
+                                           predictions, "--json", os.path.join(args.out, "latency.json")),
+             {"TRITON_INTERPRET": "0"}),
+            ("benchmarks.kernels", python("-m", "benchmarks.kernels", "--size", args.size, "--device", args.device,
+                                          *shape, "--predicted_times", predictions,
+                                          "--json", os.path.join(args.out, "kernels.json")), fused_env)]
 
 
 def train_flags(args, residual, run_name):

@@ -2,7 +2,8 @@
 a device-to-device copy of the streams, beside the time fused.tools.latency predicts at M; and a
 connection's backward by its number of grad-W partials.
 
-    python -m benchmarks.kernels --size M                    # on a GPU
+    python -m fused.tools.latency --machine cuda --predictions out/predicted_times.json
+    python -m benchmarks.kernels --size M --predicted_times out/predicted_times.json   # on a GPU
     TRITON_INTERPRET=1 python -m benchmarks.kernels --size tiny --device cpu --batch_size 1 --block_size 16
                                                              # CPU dry run in Triton's interpreter (times mean nothing)
 
@@ -11,10 +12,11 @@ variant's connection are recorded (fused/tools/launches.py), then each is replay
 The bytes per token per kernel come from a JSON file written by `python -m fused.tools.count_bytes
 --json PATH` on a CPU (default: fused/tools/kernel_bytes.json, which the tests keep equal to a fresh
 count), so that nothing
-here runs Triton's interpreter on the GPU machine; the predicted times likewise from
-fused/tools/predicted_times.json (python -m fused.tools.latency --predictions PATH, on a CPU). A
-second table times a connection's whole backward with each of SPLIT_COUNTS grad-W token splits,
-each with its own grad-W partial.
+here runs Triton's interpreter on the GPU machine. The predicted times at M, when given, come from
+python -m fused.tools.latency --predictions PATH, best run with --machine cuda on the same machine
+(its SMs, L2, compute capability and triton); their DRAM terms are scaled here to the copy measured
+beside the kernels. A second table times a connection's whole backward with each of SPLIT_COUNTS
+grad-W token splits, each with its own grad-W partial.
 """
 
 import argparse
@@ -29,6 +31,7 @@ import torch
 from devices import synchronize
 from fused import TRITON_AVAILABLE, connection_forward, ops, packed_parameters
 from fused.tools.interpreter import fix_scalar_index
+from fused.tools.latency import at_copy_bandwidth
 from fused.tools.launches import connection_launches, connection_setup
 from model import STREAM_DTYPES, GPTConfig
 
@@ -37,7 +40,6 @@ from .common import (HC_FAMILY, BenchError, add_shared_flag, environment, fmt, i
 
 TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fused", "tools")
 KERNEL_BYTES = os.path.join(TOOLS, "kernel_bytes.json")
-PREDICTED_TIMES = os.path.join(TOOLS, "predicted_times.json")
 # Token splits of the backward's grad-W kernel (each with its own weight-sized partial) timed against
 # the default, to choose between fewer partials and more of the GPU busy in the backward.
 SPLIT_COUNTS = (4, 8, 16, 32)
@@ -80,7 +82,7 @@ def read_kernel_bytes(path, what="kernel bytes"):
 def kernel_bench(args, device):
     """Every kernel of every variant in args.residual_list, replayed alone at (B, T, n, C)."""
     counted = read_kernel_bytes(args.kernel_bytes)
-    predicted = read_kernel_bytes(args.predicted_times, "predicted times")
+    predicted = read_kernel_bytes(args.predicted_times, "predicted times") if args.predicted_times else {}
     n, width, tokens = GPTConfig.n_streams, args.shape["n_embd"], args.batch_size * args.block_size
     rows, copies = [], {}
     for stream_dtype, dtype in STREAM_DTYPES.items():
@@ -103,14 +105,18 @@ def kernel_bench(args, device):
             for row in by_kernel.values():
                 per_token = counted.get(residual, {}).get(stream_dtype, {}).get("kernels", {}).get(row["kernel"])
                 gb_per_s = per_token * tokens / row["ms"] / 1e6 if per_token is not None else None
-                predicted_us = predicted.get(residual, {}).get(stream_dtype, {}).get(row["kernel"])
+                prediction = predicted.get("kernels", {}).get(residual, {}).get(stream_dtype, {}).get(row["kernel"])
+                predicted_us = None if prediction is None else at_copy_bandwidth(
+                    prediction, predicted["copy_bandwidth"], 1e9 * copies[stream_dtype]["gb_per_s"])
                 rows.append(dict(row, bytes_per_token=per_token, gb_per_s=gb_per_s,
                                  copy_ratio=ratio(gb_per_s, copies[stream_dtype]["gb_per_s"]),
                                  predicted_us_at_m=predicted_us, measured_over_predicted=ratio(1000 * row["ms"],
                                                                                                predicted_us)))
             del launches
+    machine = {key: predicted[key] for key in ("machine", "triton", "step_latency_ns") if key in predicted}
     return dict(rows=rows, copies=copies, tokens=tokens, n_streams=n, width=width, autocast=args.dtype,
-                kernel_bytes=args.kernel_bytes, predicted_times=args.predicted_times, dry_run=device.type != "cuda")
+                kernel_bytes=args.kernel_bytes, predicted_times=args.predicted_times, prediction=machine,
+                dry_run=device.type != "cuda")
 
 
 def backward_by_splits(args, device):
@@ -166,8 +172,13 @@ def kernel_table(result):
                        f"{c['bytes'] / 2**20:.1f} MiB read + written)" for dtype, c in result["copies"].items())
     table = markdown_table(["variant", "streams", "kernel", "phase", "launches", "us", "bytes/token", "GB/s",
                             "x copy", "predicted us at M", "measured / predicted"], rows)
+    if not result["predicted_times"]:
+        return f"{table}\n\ndevice-to-device copy of the streams: {copies}\nno prediction (--predicted_times)"
+    p = result["prediction"]
     return (f"{table}\n\ndevice-to-device copy of the streams: {copies}\npredicted: python -m fused.tools.latency "
-            f"on a CPU ({os.path.relpath(result['predicted_times'])}), for M's 16,384 tokens, C = 768, on an H100/H200")
+            f"({os.path.relpath(result['predicted_times'])}) for M's 16,384 tokens, C = 768, on {p['machine']['name']} "
+            f"(sm_{p['machine']['cc']}, {p['machine']['sms']} SMs, triton {p['triton']}), the DRAM terms at the copy "
+            f"above")
 
 
 def parse_args(argv):
@@ -177,8 +188,8 @@ def parse_args(argv):
         add_shared_flag(parser, flag)
     parser.add_argument("--residuals", default=",".join(HC_FAMILY), help="the HC-family variants, comma-separated")
     parser.add_argument("--kernel_bytes", default=KERNEL_BYTES, help="python -m fused.tools.count_bytes --json output")
-    parser.add_argument("--predicted_times", default=PREDICTED_TIMES,
-                        help="python -m fused.tools.latency --predictions output")
+    parser.add_argument("--predicted_times", help="python -m fused.tools.latency --predictions output, printed "
+                        "beside the times (none when not given)")
     parser.add_argument("--json", help="output path (default out/bench/<size>-<device>-<dtype>-kernels.json)")
     return parser.parse_args(argv)
 

@@ -2,7 +2,7 @@
 
     python -m fused.tools.count_bytes --json fused/tools/kernel_bytes.json   # bytes per token, in the interpreter
     python -m fused.tools.resources                                          # registers, spills, shared memory
-    python -m fused.tools.latency --predictions fused/tools/predicted_times.json   # predicted sm_90 times
+    python -m fused.tools.latency                                            # predicted sm_90 times
 
 launches.py records the kernels' launches (the resource check compiles them, python -m
 benchmarks.kernels replays them), interpreter.py runs the kernels on CPU in Triton's interpreter, and

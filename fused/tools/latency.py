@@ -3,14 +3,15 @@ what each kernel at its shipped tile should cost at M, and why.
 
     python -m fused.tools.latency                       # Markdown: per kernel, then the calibration
     python -m fused.tools.latency --json out/latency.json
+    python -m fused.tools.latency --machine cuda --predictions out/predicted_times.json   # on a GPU machine
 
 Per kernel launch of one connection at M (16,384 tokens, C = 768, bf16 autocast), from
   - fused/tools/kernel_bytes.json (python -m fused.tools.count_bytes, Triton's interpreter at the
     shipped tiles): unique, executed and re-read bytes per token and load instructions per token;
-  - the launch recorded at M without running (launches.py) and compiled for sm_90 on this machine
-    (resources.compile_kernel): registers, stack bytes, warps, CTAs per SM;
+  - the launch recorded at M without running (launches.py) and compiled for the GPU's architecture
+    with the installed triton (resources.compile_kernel): registers, stack bytes, warps, CTAs per SM;
 it derives
-  - resident programs: min(grid, CTAs/SM x SMS);
+  - resident programs: min(grid, CTAs/SM x SMs);
   - DRAM bytes (the L2 model): unique bytes, plus every re-read (a load of an address its program had
     touched before) whose reuse distance (bytes of its own addresses the program moved in between;
     what every program reads, such as the weight, L2 holds once for all) times the resident programs
@@ -25,6 +26,9 @@ Every load counts as a round trip, also the loads of a software-pipelined loop (
 table's loop loads, from the compiled TTGIR), which are issued stages ahead: no GPU time of a
 pipelined loop of ours has been measured to fit what that hides, so for those kernels the
 latency term is an upper bound.
+The machine is the H200 of the calibration (132 SMs, 50 MB of L2, sm_90), or with --machine cuda
+the visible GPU's SMs, L2 and compute capability, compiled with this machine's triton: the benchmark
+(python -m benchmarks.kernels) then scales each prediction's DRAM term to the copy it measures there.
 COPY_BANDWIDTH is the copy measured on the H200; STEP_LATENCY the one free parameter, fitted
 (least squares on log time) to the GPU times of docs/benchmarks.md, each kept with the CPU profile
 of the kernel that ran (calibration.json: the kernels before pre_backward was split up),
@@ -36,6 +40,8 @@ import argparse
 import json
 import math
 import os
+import sys
+from typing import NamedTuple
 
 from fused import ops
 
@@ -45,19 +51,35 @@ from .tables import fmt, markdown_table
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 KERNEL_BYTES = os.path.join(HERE, "kernel_bytes.json")
-PREDICTED_TIMES = os.path.join(HERE, "predicted_times.json")  # what python -m benchmarks.kernels prints beside its times
 # The GPU times the model is fitted to, each with the CPU profile of the kernel that ran (calibration.json's note).
 CALIBRATION = os.path.join(HERE, "calibration.json")
 M_BATCH, M_TIME = 16, 1024
 WIDTH = 768
-SMS = 132  # H100 SXM and H200
-L2_BYTES = 50 * 1000 ** 2
 COPY_BANDWIDTH = 4.1e12  # bytes/s, a device-to-device copy of the streams on the H200 (read + written)
-CC = 90
-def dram_bytes_per_token(counts, kernel, resident):
+
+
+class Machine(NamedTuple):
+    """What the model needs of a GPU besides the copy's bandwidth."""
+    name: str
+    sms: int
+    l2_bytes: int
+    cc: int  # compute capability, 90 for sm_90
+
+
+H200 = Machine("H200", sms=132, l2_bytes=50 * 1000 ** 2, cc=90)  # the calibration's; an H100 SXM alike
+
+
+def this_gpu():
+    """The visible GPU as a Machine (its SMs, L2 and compute capability)."""
+    import torch
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return Machine(props.name, props.multi_processor_count, props.L2_cache_size, 10 * props.major + props.minor)
+
+
+def dram_bytes_per_token(counts, kernel, resident, l2_bytes=H200.l2_bytes):
     """Unique bytes plus the re-reads the L2 model says miss, per token."""
     misses = sum(b for distance, b in counts["rereads"].get(kernel, {}).items()
-                 if 2 ** (int(distance) + 0.5) * resident > L2_BYTES)  # the bucket's geometric middle
+                 if 2 ** (int(distance) + 0.5) * resident > l2_bytes)  # the bucket's geometric middle
     return counts["kernels"][kernel] + misses
 
 
@@ -65,11 +87,11 @@ def programs_of(grid):
     return math.prod(grid)
 
 
-def profile(counts, kernel, grid, resources, tokens):
+def profile(counts, kernel, grid, resources, tokens, machine=H200):
     """The model's quantities for one launch: counts (a kernel_bytes.json entry), its grid at M and its
-    sm_90 resources; the time is left to predict() (it needs STEP_LATENCY)."""
+    resources compiled for the machine; the time is left to predict() (it needs STEP_LATENCY)."""
     programs = programs_of(grid)
-    slots = resources["ctas_per_sm"] * SMS
+    slots = resources["ctas_per_sm"] * machine.sms
     resident = min(programs, slots)
     loads = counts["loads"][kernel]
     executed = counts["executed"][kernel]
@@ -78,9 +100,10 @@ def profile(counts, kernel, grid, resources, tokens):
                 ctas_per_sm=resources["ctas_per_sm"], warps_per_sm=resources["ctas_per_sm"] * resources["num_warps"],
                 resident=resident, waves=programs / resident if programs <= slots else programs / slots,
                 unique_per_token=counts["kernels"][kernel], executed_per_token=executed,
-                dram_per_token=dram_bytes_per_token(counts, kernel, resident),
+                dram_per_token=dram_bytes_per_token(counts, kernel, resident, machine.l2_bytes),
                 steps_per_program=loads * tokens / programs,
-                in_flight_per_sm=min(resources["ctas_per_sm"], programs / SMS) * executed / loads, tokens=tokens)
+                in_flight_per_sm=min(resources["ctas_per_sm"], programs / machine.sms) * executed / loads,
+                tokens=tokens)
 
 
 def dram_seconds(p):
@@ -120,20 +143,21 @@ def m_launches(residual, stream_dtype):
     return connection_launches(residual, stream_dtype, True, WIDTH, M_BATCH, M_TIME, "cpu", run=False)
 
 
-def compiled(launch, compilations):
-    """sm_90 resources of a recorded launch, each distinct compilation once."""
+def compiled(launch, compilations, cc=H200.cc):
+    """sm_<cc> resources of a recorded launch, each distinct compilation once."""
     specialisation = jit_specialisation(ops.kernel(launch.kernel), launch.args, launch.constexprs)
     key = json.dumps([launch.kernel, [sorted(map(list, d.items())) for d in specialisation]], default=str)
     if key not in compilations:
-        compilations[key] = compile_kernel(launch.kernel, specialisation, CC)
+        compilations[key] = compile_kernel(launch.kernel, specialisation, cc)
         if "error" in compilations[key]:
             raise RuntimeError(f"{launch.kernel} failed to compile: {compilations[key]['error']}")
     return compilations[key]
 
 
-def model(residuals=RESIDUALS, stream_dtypes=STREAM_DTYPES, kernel_bytes=KERNEL_BYTES, calibration=CALIBRATION):
-    """{"profiles": [profile per residual, stream dtype and kernel launch], "calibration": [measured
-    times with their profiles], "step_latency": fitted seconds} (times not yet predicted)."""
+def model(residuals=RESIDUALS, stream_dtypes=STREAM_DTYPES, kernel_bytes=KERNEL_BYTES, calibration=CALIBRATION,
+          machine=H200):
+    """{"profiles": [profile per residual, stream dtype and kernel launch on the machine], "calibration":
+    [measured times with their profiles], "step_latency": fitted seconds} (times not yet predicted)."""
     with open(kernel_bytes, encoding="utf-8") as f:
         counts = json.load(f)
     with open(calibration, encoding="utf-8") as f:
@@ -144,20 +168,20 @@ def model(residuals=RESIDUALS, stream_dtypes=STREAM_DTYPES, kernel_bytes=KERNEL_
     for residual in residuals:
         for stream_dtype in stream_dtypes:
             for launch in m_launches(residual, stream_dtype):
-                resources = compiled(launch, compilations)
-                p = profile(counts[residual][stream_dtype], launch.kernel, launch.grid, resources, tokens)
+                resources = compiled(launch, compilations, machine.cc)
+                p = profile(counts[residual][stream_dtype], launch.kernel, launch.grid, resources, tokens, machine)
                 profiles.append(dict(p, residual=residual, stream_dtype=stream_dtype, phase=launch.phase,
                                      plain_loop_loads=resources["plain_loop_loads"],
                                      async_loop_loads=resources["async_loop_loads"]))
     step_latency = fit_step_latency([(r["profile"], 1e-6 * r["us"]) for r in rows])
     return dict(profiles=profiles, calibration=rows, steps=calibration_data["steps"], step_latency=step_latency,
-                compilations=len(compilations))
+                compilations=len(compilations), machine=machine._asdict())
 
 
 def with_predictions(result):
     for p in [*result["profiles"], *(r["profile"] for r in result["calibration"])]:
         seconds, bound = predict(p, result["step_latency"])
-        p.update(predicted_us=1e6 * seconds, bound=bound)
+        p.update(predicted_us=1e6 * seconds, dram_us=1e6 * dram_seconds(p), bound=bound)
     measured = [r["us"] for r in result["calibration"]]
     predicted = [r["profile"]["predicted_us"] for r in result["calibration"]]
     ratios = [p / m for p, m in zip(predicted, measured)]
@@ -169,11 +193,22 @@ def with_predictions(result):
 
 
 def predicted_times(result):
-    """{residual: {stream dtype: {kernel: predicted us at M}}, "step_latency_ns": ...}."""
+    """{"kernels": {residual: {stream dtype: {kernel: {"us": predicted us at M, "dram_us": its DRAM
+    term}}}}, the machine, the copy bandwidth the DRAM terms assume, the step latency and triton's
+    version}: what python -m benchmarks.kernels prints beside its times."""
+    import triton
     times = {}
     for p in result["profiles"]:
-        times.setdefault(p["residual"], {}).setdefault(p["stream_dtype"], {})[p["kernel"]] = round(p["predicted_us"], 1)
-    return dict(times, step_latency_ns=round(1e9 * result["step_latency"], 1))
+        times.setdefault(p["residual"], {}).setdefault(p["stream_dtype"], {})[p["kernel"]] = dict(
+            us=round(p["predicted_us"], 1), dram_us=round(p["dram_us"], 1))
+    return dict(kernels=times, machine=result["machine"], copy_bandwidth=COPY_BANDWIDTH,
+                step_latency_ns=round(1e9 * result["step_latency"], 1), triton=triton.__version__)
+
+
+def at_copy_bandwidth(prediction, assumed_bandwidth, bandwidth):
+    """A predicted_times entry's us with its DRAM term moved from the assumed copy bandwidth to another
+    (the copy measured on the GPU at hand); the round trips stay."""
+    return prediction["us"] + prediction["dram_us"] * (assumed_bandwidth / bandwidth - 1)
 
 
 def step_predictions(result):
@@ -235,15 +270,23 @@ def main(argv=None):
     parser.add_argument("--json", help="also write every profile and the calibration here")
     parser.add_argument("--kernel_bytes", default=KERNEL_BYTES)
     parser.add_argument("--calibration", default=CALIBRATION)
-    parser.add_argument("--predictions", help="also write {residual: {stream dtype: {kernel: predicted us}}} here "
-                        f"(the benchmark reads {os.path.relpath(PREDICTED_TIMES)})")
+    parser.add_argument("--machine", choices=("h200", "cuda"), default="h200",
+                        help="the H200 of the calibration, or the visible GPU's SMs, L2 and compute capability")
+    parser.add_argument("--predictions", help="also write the predicted times per kernel here "
+                        "(python -m benchmarks.kernels --predicted_times reads them)")
     args = parser.parse_args(argv)
     exit_unless_compilable()
-    result = with_predictions(model(kernel_bytes=args.kernel_bytes, calibration=args.calibration))
+    if args.machine == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            print("error: --machine cuda needs a visible GPU", file=sys.stderr)
+            sys.exit(2)
+    machine = this_gpu() if args.machine == "cuda" else H200
+    result = with_predictions(model(kernel_bytes=args.kernel_bytes, calibration=args.calibration, machine=machine))
     a = result["agreement"]
-    print(f"Predicted per launch at M ({M_BATCH * M_TIME:,} tokens, C = {WIDTH}, bf16 autocast) on sm_{CC} "
-          f"({SMS} SMs, L2 {L2_BYTES / 1e6:.0f} MB, copy {COPY_BANDWIDTH / 1e12:.1f} TB/s); fitted step latency "
-          f"{1e9 * result['step_latency']:.0f} ns\n")
+    print(f"Predicted per launch at M ({M_BATCH * M_TIME:,} tokens, C = {WIDTH}, bf16 autocast) on {machine.name}, "
+          f"sm_{machine.cc} ({machine.sms} SMs, L2 {machine.l2_bytes / 1e6:.0f} MB, copy "
+          f"{COPY_BANDWIDTH / 1e12:.1f} TB/s); fitted step latency {1e9 * result['step_latency']:.0f} ns\n")
     print(profiles_table(result["profiles"]))
     print(f"\nCalibration against docs/benchmarks.md (mhclite): rank correlation {a['spearman']:.2f}, predicted / "
           f"measured {a['ratio_min']:.2f} to {a['ratio_max']:.2f} (geometric mean {a['ratio_geomean']:.2f})\n")

@@ -30,8 +30,26 @@ def test_a_reread_misses_l2_when_its_distance_times_the_resident_programs_exceed
     assert latency.dram_bytes_per_token(entry, "k", resident=264) == 14_000.0
     few = latency.profile(entry, "k", (30,), resources(), TOKENS)
     many = latency.profile(entry, "k", (4096,), resources(), TOKENS)
-    assert (few["resident"], many["resident"]) == (30, 2 * latency.SMS)
+    assert (few["resident"], many["resident"]) == (30, 2 * latency.H200.sms)
     assert (few["dram_per_token"], many["dram_per_token"]) == (10_000.0, 14_000.0)
+
+
+def test_the_machine_sets_the_resident_programs_and_what_its_l2_holds():
+    entry = counts(loads=40.0, rereads={"17": 4000.0})  # 2^17.5 bytes apart: 264 programs' fit in 50 MB
+    fewer_sms = latency.Machine("114 SMs", sms=114, l2_bytes=latency.H200.l2_bytes, cc=90)
+    less_l2 = latency.Machine("25 MB of L2", sms=latency.H200.sms, l2_bytes=25 * 1000 ** 2, cc=90)
+    h200, fewer, less = (latency.profile(entry, "k", (1024,), resources(), TOKENS, machine)
+                         for machine in (latency.H200, fewer_sms, less_l2))
+    assert (h200["resident"], fewer["resident"], less["resident"]) == (264, 228, 264)
+    assert (h200["waves"], fewer["waves"]) == (1024 / 264, 1024 / 228)
+    assert (h200["dram_per_token"], fewer["dram_per_token"], less["dram_per_token"]) == (10_000.0, 10_000.0, 14_000.0)
+
+
+def test_a_prediction_moves_to_another_copy_bandwidth_by_its_dram_term_alone():
+    # 300 us of which 100 us are DRAM bytes at 4 TB/s: at 2 TB/s the bytes take 200 us, the round trips stay
+    prediction = dict(us=300.0, dram_us=100.0)
+    assert latency.at_copy_bandwidth(prediction, 4e12, 2e12) == pytest.approx(400.0)
+    assert latency.at_copy_bandwidth(prediction, 4e12, 4e12) == 300.0
 
 
 def test_a_streaming_kernel_is_dram_bound_and_a_serial_one_latency_bound():
