@@ -39,7 +39,7 @@ def test_cpu_dry_run_runs_every_part_and_the_summary_comes_last(tmp_path, capsys
     assert code == 0, printed
     rows = summary_rows(summary)
     assert {part: row[1] for part, row in rows.items()} == dict.fromkeys(gpu_check.PARTS, "ok")
-    for name in ["kernels.json", *(f"{part}.log" for part in gpu_check.PARTS)]:
+    for name in ["kernels.json", "latency.json", "predicted_times.json", *(f"{part}.log" for part in gpu_check.PARTS)]:
         assert (out / name).is_file(), name
     for name, _ in gpu_check.BENCH_RUNS:
         variants = json.loads(open(gpu_check.bench_json(str(out), name)).read())["variants"]

@@ -4,6 +4,7 @@ what each kernel at its shipped tile should cost at M, and why.
     python -m fused.tools.latency                       # Markdown: per kernel, then the calibration
     python -m fused.tools.latency --json out/latency.json
     python -m fused.tools.latency --machine cuda --predictions out/predicted_times.json   # on a GPU machine
+    python -m fused.tools.latency --add_calibration out/gpu_check   # its kernel times join the calibration
 
 Per kernel launch of one connection at M (16,384 tokens, C = 768, bf16 autocast), from
   - fused/tools/kernel_bytes.json (python -m fused.tools.count_bytes, Triton's interpreter at the
@@ -31,8 +32,10 @@ the visible GPU's SMs, L2 and compute capability, compiled with this machine's t
 (python -m benchmarks.kernels) then scales each prediction's DRAM term to the copy it measures there.
 COPY_BANDWIDTH is the copy measured on the H200; STEP_LATENCY the one free parameter, fitted
 (least squares on log time) to the GPU times of docs/benchmarks.md, each kept with the CPU profile
-of the kernel that ran (calibration.json: the kernels before pre_backward was split up),
-against which the tool prints every prediction, with the rank-order agreement. Exit code 2 without triton, ptxas or
+of the kernel that ran and the copy bandwidth of its GPU (calibration.json: the kernels before
+pre_backward was split up, and every GPU check added since with --add_calibration, whose profiles
+come from this tool's --json run on that machine), against which the tool prints every prediction,
+with the rank-order agreement. Exit code 2 without triton, ptxas or
 cuobjdump, or with TRITON_INTERPRET=1 (compiling needs triton's compiler).
 """
 
@@ -46,7 +49,7 @@ from typing import NamedTuple
 from fused import ops
 
 from .launches import connection_launches, jit_specialisation
-from .resources import RESIDUALS, STREAM_DTYPES, compile_kernel, exit_unless_compilable
+from .resources import LIMITS, RESIDUALS, STREAM_DTYPES, compile_kernel, exit_unless_compilable
 from .tables import fmt, markdown_table
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -103,12 +106,12 @@ def profile(counts, kernel, grid, resources, tokens, machine=H200):
                 dram_per_token=dram_bytes_per_token(counts, kernel, resident, machine.l2_bytes),
                 steps_per_program=loads * tokens / programs,
                 in_flight_per_sm=min(resources["ctas_per_sm"], programs / machine.sms) * executed / loads,
-                tokens=tokens)
+                tokens=tokens, copy_bandwidth=COPY_BANDWIDTH)
 
 
 def dram_seconds(p):
-    """A profile's DRAM bytes at the copy's bandwidth: its time with no latency at all."""
-    return p["dram_per_token"] * p["tokens"] / COPY_BANDWIDTH
+    """A profile's DRAM bytes at its copy bandwidth: its time with no latency at all."""
+    return p["dram_per_token"] * p["tokens"] / p["copy_bandwidth"]
 
 
 def predict(p, step_latency):
@@ -158,6 +161,7 @@ def model(residuals=RESIDUALS, stream_dtypes=STREAM_DTYPES, kernel_bytes=KERNEL_
           machine=H200):
     """{"profiles": [profile per residual, stream dtype and kernel launch on the machine], "calibration":
     [measured times with their profiles], "step_latency": fitted seconds} (times not yet predicted)."""
+    import triton  # compile_kernel needs it too; imported here so that at_copy_bandwidth's users need not
     with open(kernel_bytes, encoding="utf-8") as f:
         counts = json.load(f)
     with open(calibration, encoding="utf-8") as f:
@@ -175,7 +179,7 @@ def model(residuals=RESIDUALS, stream_dtypes=STREAM_DTYPES, kernel_bytes=KERNEL_
                                      async_loop_loads=resources["async_loop_loads"]))
     step_latency = fit_step_latency([(r["profile"], 1e-6 * r["us"]) for r in rows])
     return dict(profiles=profiles, calibration=rows, steps=calibration_data["steps"], step_latency=step_latency,
-                compilations=len(compilations), machine=machine._asdict())
+                compilations=len(compilations), machine=machine._asdict(), triton=triton.__version__)
 
 
 def with_predictions(result):
@@ -196,13 +200,12 @@ def predicted_times(result):
     """{"kernels": {residual: {stream dtype: {kernel: {"us": predicted us at M, "dram_us": its DRAM
     term}}}}, the machine, the copy bandwidth the DRAM terms assume, the step latency and triton's
     version}: what python -m benchmarks.kernels prints beside its times."""
-    import triton
     times = {}
     for p in result["profiles"]:
         times.setdefault(p["residual"], {}).setdefault(p["stream_dtype"], {})[p["kernel"]] = dict(
             us=round(p["predicted_us"], 1), dram_us=round(p["dram_us"], 1))
     return dict(kernels=times, machine=result["machine"], copy_bandwidth=COPY_BANDWIDTH,
-                step_latency_ns=round(1e9 * result["step_latency"], 1), triton=triton.__version__)
+                step_latency_ns=round(1e9 * result["step_latency"], 1), triton=result["triton"])
 
 
 def at_copy_bandwidth(prediction, assumed_bandwidth, bandwidth):
@@ -217,7 +220,8 @@ def step_predictions(result):
     and, as the least the kernels' bytes allow, by their DRAM bytes alone at COPY_BANDWIDTH."""
     steps, predictions = result["steps"], []
     for stream_dtype, fused_ms in steps["fused_ms"].items():
-        then = sum(r["us"] for r in result["calibration"] if r["stream_dtype"] == stream_dtype and "tile" not in r)
+        then = sum(r["us"] for r in result["calibration"]
+                   if r["run"] == steps["run"] and r["stream_dtype"] == stream_dtype and "tile" not in r)
         now = [p for p in result["profiles"] if p["residual"] == "mhclite" and p["stream_dtype"] == stream_dtype]
         predicted = sum(p["predicted_us"] for p in now)
         at_dram = sum(1e6 * dram_seconds(p) for p in now)
@@ -259,10 +263,60 @@ def calibration_table(calibration):
         p = r["profile"]
         tile = r.get("tile")
         setting = f"{', '.join(map(str, tile))}; {p['programs']}" if tile else f"then shipped; {p['programs']}"
-        rows.append([r["kernel"].removesuffix("_kernel"), r["stream_dtype"], setting, fmt(r["us"], ",.1f"),
-                     fmt(p["predicted_us"], ",.1f"), fmt(p["predicted_us"] / r["us"], ".2f"), p["bound"]])
-    return markdown_table(["kernel", "streams", "tile; programs", "measured us (H200)", "predicted us",
+        rows.append([r["run"], r["residual"], r["kernel"].removesuffix("_kernel"), r["stream_dtype"],
+                     setting, fmt(r["us"], ",.1f"), fmt(p["predicted_us"], ",.1f"),
+                     fmt(p["predicted_us"] / r["us"], ".2f"), p["bound"]])
+    return markdown_table(["run", "variant", "kernel", "streams", "tile; programs", "measured us", "predicted us",
                            "predicted / measured", "bound"], rows)
+
+
+class CalibrationError(Exception):
+    pass
+
+
+def measured_rows(kernels, profiles, run):
+    """Calibration rows from a GPU check's folder: the times of benchmarks.kernels' JSON (`kernels`,
+    at M) with the profiles fused.tools.latency made on the same machine (`profiles`, its --json),
+    each profile's DRAM term at the copy measured beside the kernels."""
+    timed = kernels["kernels"]
+    at_m = timed["tokens"] == M_BATCH * M_TIME and timed["width"] == WIDTH and timed["autocast"] == "bfloat16"
+    if timed["dry_run"] or not at_m:
+        raise CalibrationError(f"the kernels were not timed on a GPU at M ({M_BATCH} x {M_TIME} tokens, C = {WIDTH}, "
+                               "bf16 autocast)")
+    by_launch = {(p["residual"], p["stream_dtype"], p["kernel"]): p for p in profiles}
+    rows = []
+    for row in timed["rows"]:
+        p = by_launch.get((row["residual"], row["stream_dtype"], row["kernel"]))
+        if p is None or row["launches"] != 1:
+            raise CalibrationError(f"no profile of one {row['residual']} {row['stream_dtype']} {row['kernel']} launch")
+        copy = 1e9 * timed["copies"][row["stream_dtype"]]["gb_per_s"]
+        rows.append(dict(kernel=row["kernel"], stream_dtype=row["stream_dtype"], residual=row["residual"],
+                         us=1000 * row["ms"], run=run, profile=dict(p, copy_bandwidth=copy)))
+    return rows
+
+
+def add_calibration(folder, calibration=CALIBRATION):
+    """Adds (or replaces) the run in a GPU check's folder (kernels.json and latency.json) to the
+    calibration file; returns (run, rows added)."""
+    try:
+        with open(os.path.join(folder, "kernels.json"), encoding="utf-8") as f:
+            kernels = json.load(f)
+        with open(os.path.join(folder, "latency.json"), encoding="utf-8") as f:
+            predicted = json.load(f)
+        with open(calibration, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CalibrationError(str(e)) from None
+    run = f"{kernels['device_name']}, {kernels['date'][:10]}, triton {predicted['triton']}"
+    rows = measured_rows(kernels, predicted["profiles"], run)
+    if predicted["machine"]["name"] != kernels["device_name"]:
+        raise CalibrationError(f"latency.json models {predicted['machine']['name']}, the kernels ran on "
+                               f"{kernels['device_name']}: run it with --machine cuda there")
+    data["rows"] = [r for r in data["rows"] if r["run"] != run] + rows
+    with open(calibration, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+    return run, len(rows)
 
 
 def main(argv=None):
@@ -274,7 +328,16 @@ def main(argv=None):
                         help="the H200 of the calibration, or the visible GPU's SMs, L2 and compute capability")
     parser.add_argument("--predictions", help="also write the predicted times per kernel here "
                         "(python -m benchmarks.kernels --predicted_times reads them)")
+    parser.add_argument("--add_calibration", metavar="OUT", help="first add the kernel times of the GPU check in OUT "
+                        "(its kernels.json and latency.json) to the calibration file, with the profiles made there")
     args = parser.parse_args(argv)
+    if args.add_calibration:
+        try:
+            run, added = add_calibration(args.add_calibration, args.calibration)
+        except CalibrationError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        print(f"{args.calibration}: {added} times of {run}\n")
     exit_unless_compilable()
     if args.machine == "cuda":
         import torch
@@ -282,14 +345,20 @@ def main(argv=None):
             print("error: --machine cuda needs a visible GPU", file=sys.stderr)
             sys.exit(2)
     machine = this_gpu() if args.machine == "cuda" else H200
+    if machine.cc not in LIMITS:
+        print(f"error: {machine.name} is sm_{machine.cc}; the model knows the SM limits of sm_"
+              f"{' and sm_'.join(map(str, LIMITS))}", file=sys.stderr)
+        sys.exit(2)
     result = with_predictions(model(kernel_bytes=args.kernel_bytes, calibration=args.calibration, machine=machine))
     a = result["agreement"]
     print(f"Predicted per launch at M ({M_BATCH * M_TIME:,} tokens, C = {WIDTH}, bf16 autocast) on {machine.name}, "
           f"sm_{machine.cc} ({machine.sms} SMs, L2 {machine.l2_bytes / 1e6:.0f} MB, copy "
           f"{COPY_BANDWIDTH / 1e12:.1f} TB/s); fitted step latency {1e9 * result['step_latency']:.0f} ns\n")
     print(profiles_table(result["profiles"]))
-    print(f"\nCalibration against docs/benchmarks.md (mhclite): rank correlation {a['spearman']:.2f}, predicted / "
-          f"measured {a['ratio_min']:.2f} to {a['ratio_max']:.2f} (geometric mean {a['ratio_geomean']:.2f})\n")
+    runs = len({r["run"] for r in result["calibration"]})
+    print(f"\nCalibration, {len(result['calibration'])} GPU times of {runs} run(s): rank correlation "
+          f"{a['spearman']:.2f}, predicted / measured {a['ratio_min']:.2f} to {a['ratio_max']:.2f} (geometric mean "
+          f"{a['ratio_geomean']:.2f})\n")
     print(calibration_table(result["calibration"]))
     print("\nmhclite's fused step at M: the measured step with its connection kernels' measured times replaced by "
           "the predicted ones, and by their DRAM bytes at the copy's bandwidth alone (no latency)\n")

@@ -2,10 +2,12 @@
 the calibration's agreement measure, on made-up kernels (the compilation for sm_90 is the resource
 check's: tests/fused/test_fused_resources.py)."""
 
+import json
 import math
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -43,6 +45,15 @@ def test_the_machine_sets_the_resident_programs_and_what_its_l2_holds():
     assert (h200["resident"], fewer["resident"], less["resident"]) == (264, 228, 264)
     assert (h200["waves"], fewer["waves"]) == (1024 / 264, 1024 / 228)
     assert (h200["dram_per_token"], fewer["dram_per_token"], less["dram_per_token"]) == (10_000.0, 10_000.0, 14_000.0)
+
+
+def test_the_visible_gpu_as_a_machine(monkeypatch):
+    import torch
+    props = SimpleNamespace(name="NVIDIA H100 80GB HBM3", multi_processor_count=132, L2_cache_size=52_428_800,
+                            major=9, minor=0)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    assert latency.this_gpu() == latency.Machine("NVIDIA H100 80GB HBM3", sms=132, l2_bytes=52_428_800, cc=90)
 
 
 def test_a_prediction_moves_to_another_copy_bandwidth_by_its_dram_term_alone():
@@ -91,15 +102,18 @@ def test_cli_refuses_the_interpreter():
 
 
 def test_the_step_prediction_swaps_the_measured_kernels_for_the_predicted_ones_and_for_their_dram_bytes():
-    result = dict(steps=dict(connections_per_step=24, res_ms=30.0, reference_ms=60.0, fused_ms={"float32": 100.0}),
-                  calibration=[dict(kernel="a", stream_dtype="float32", us=3000.0),
-                               dict(kernel="a", stream_dtype="float32", tile=(32, 32, 4), us=1000.0)],
+    bandwidth = latency.COPY_BANDWIDTH
+    result = dict(steps=dict(connections_per_step=24, res_ms=30.0, reference_ms=60.0, fused_ms={"float32": 100.0},
+                             run="then"),
+                  calibration=[dict(kernel="a", stream_dtype="float32", us=3000.0, run="then"),
+                               dict(kernel="a", stream_dtype="float32", tile=(32, 32, 4), us=1000.0, run="then"),
+                               dict(kernel="a", stream_dtype="float32", us=700.0, run="a later run")],
                   profiles=[dict(residual="mhclite", stream_dtype="float32", predicted_us=500.0, tokens=1000,
-                                 dram_per_token=0.2 * latency.COPY_BANDWIDTH / 1e6),  # 200 us of DRAM bytes
+                                 dram_per_token=0.2 * bandwidth / 1e6, copy_bandwidth=bandwidth),  # 200 us of bytes
                             dict(residual="mhclite", stream_dtype="float32", predicted_us=250.0, tokens=1000,
-                                 dram_per_token=0.1 * latency.COPY_BANDWIDTH / 1e6),
+                                 dram_per_token=0.1 * bandwidth / 1e6, copy_bandwidth=bandwidth),
                             dict(residual="hc", stream_dtype="float32", predicted_us=9999.0, tokens=1000,
-                                 dram_per_token=1e9)])
+                                 dram_per_token=1e9, copy_bandwidth=bandwidth)])
     [prediction] = latency.step_predictions(result)
     assert prediction["connection_us_then"] == 3000.0 and prediction["connection_us_predicted"] == 750.0
     assert prediction["step_ms_predicted"] == pytest.approx(100.0 - 24 * 2.25)
@@ -112,12 +126,59 @@ def test_the_step_prediction_swaps_the_measured_kernels_for_the_predicted_ones_a
 
 def test_the_calibration_file_holds_the_kernels_that_were_timed():
     """Every GPU time of docs/benchmarks.md the model is fitted to, with a complete profile."""
-    import json
     with open(latency.CALIBRATION, encoding="utf-8") as f:
         data = json.load(f)
-    rows = data["rows"]
+    rows = [r for r in data["rows"] if r["run"] == data["steps"]["run"]]  # the H200's, whose step is known
     assert len(rows) == 14 and {r["stream_dtype"] for r in rows} == {"float32", "bfloat16"}
     assert sum(1 for r in rows if "tile" not in r) == 8  # four kernels, two stream dtypes
     keys = set(latency.profile(counts(), "k", (128,), resources(), TOKENS))
-    assert all(keys <= set(r["profile"]) for r in rows)
+    assert all(keys <= set(r["profile"]) for r in data["rows"])
     assert set(data["steps"]["fused_ms"]) == {"float32", "bfloat16"}
+
+
+def gpu_check_folder(folder, dry_run=False, tokens=TOKENS, modelled="NVIDIA H100 80GB HBM3"):
+    """A GPU check's kernels.json and latency.json as the GPU would leave them: two mhclite kernels timed
+    on a GPU whose fp32 copy ran at 3,000 GB/s, and their profiles."""
+    rows = [dict(residual="mhclite", stream_dtype="float32", kernel=k, phase="forward", launches=1, ms=ms)
+            for k, ms in (("pre_kernel", 0.25), ("post_kernel", 0.125))]
+    kernels = dict(device_name="NVIDIA H100 80GB HBM3", date="2026-12-01T10:00:00+00:00",
+                   kernels=dict(rows=rows, copies={"float32": dict(gb_per_s=3000.0)}, tokens=tokens, width=768,
+                                autocast="bfloat16", dry_run=dry_run))
+    profiles = [dict(latency.profile(counts(), "k", (1024,), resources(), TOKENS), residual="mhclite",
+                     stream_dtype="float32", kernel=k) for k in ("pre_kernel", "post_kernel")]
+    (folder / "kernels.json").write_text(json.dumps(kernels))
+    machine = latency.Machine(modelled, sms=132, l2_bytes=50 * 1000 ** 2, cc=90)._asdict()
+    (folder / "latency.json").write_text(json.dumps(dict(profiles=profiles, triton="3.6.0", machine=machine)))
+
+
+def test_a_gpu_checks_kernel_times_join_the_calibration_with_the_profiles_and_copy_made_there(tmp_path):
+    calibration = tmp_path / "calibration.json"
+    with open(latency.CALIBRATION, encoding="utf-8") as f:
+        before = json.load(f)
+    calibration.write_text(json.dumps(before))
+    gpu_check_folder(tmp_path)
+    run, added = latency.add_calibration(str(tmp_path), str(calibration))
+    assert (run, added) == ("NVIDIA H100 80GB HBM3, 2026-12-01, triton 3.6.0", 2)
+    rows = json.loads(calibration.read_text())["rows"]
+    assert rows[:-2] == before["rows"]
+    pre, post = rows[-2:]
+    assert (pre["kernel"], pre["us"], post["kernel"], post["us"]) == ("pre_kernel", 250.0, "post_kernel", 125.0)
+    assert pre["profile"]["copy_bandwidth"] == 3e12 and pre["profile"]["kernel"] == "pre_kernel"
+    # the DRAM term at that GPU's copy: 10 KB per token of 16,384 tokens at 3 TB/s
+    assert latency.dram_seconds(pre["profile"]) == pytest.approx(10_000.0 * TOKENS / 3e12)
+    # the same folder again replaces its run's rows
+    assert latency.add_calibration(str(tmp_path), str(calibration))[1] == 2
+    assert json.loads(calibration.read_text())["rows"] == rows
+
+
+@pytest.mark.parametrize("fault, message", [
+    ("dry run", "not timed on a GPU at M"), ("not M", "not timed on a GPU at M"),
+    ("the H200's profiles", "models H200, the kernels ran on NVIDIA H100")])
+def test_only_gpu_times_at_m_with_that_gpus_profiles_join_the_calibration(tmp_path, fault, message):
+    gpu_check_folder(tmp_path, dry_run=fault == "dry run", tokens=16 if fault == "not M" else TOKENS,
+                     modelled="H200" if fault == "the H200's profiles" else "NVIDIA H100 80GB HBM3")
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text(open(latency.CALIBRATION, encoding="utf-8").read())
+    with pytest.raises(latency.CalibrationError, match=message):
+        latency.add_calibration(str(tmp_path), str(calibration))
+    assert calibration.read_text() == open(latency.CALIBRATION, encoding="utf-8").read()
