@@ -83,6 +83,8 @@ def kernel_bench(args, device):
     """Every kernel of every variant in args.residual_list, replayed alone at (B, T, n, C)."""
     counted = read_kernel_bytes(args.kernel_bytes)
     predicted = read_kernel_bytes(args.predicted_times, "predicted times") if args.predicted_times else {}
+    if predicted and not {"kernels", "machine", "copy_bandwidth"} <= set(predicted):
+        raise BenchError(f"{args.predicted_times} is not the output of python -m fused.tools.latency --predictions")
     n, width, tokens = GPTConfig.n_streams, args.shape["n_embd"], args.batch_size * args.block_size
     rows, copies = [], {}
     for stream_dtype, dtype in STREAM_DTYPES.items():

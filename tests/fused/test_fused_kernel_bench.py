@@ -56,9 +56,14 @@ def test_kernels_table_has_every_launch_with_its_counted_bytes(tmp_path, capsys)
     counted = tmp_path / "bytes.json"
     counted.write_text(json.dumps({"mhclite": {"float32": {"kernels": {first: 3000}, "torch": 0, "forward": 0,
                                                            "backward": 0, "total": 0}}}))
+    # the prediction of one kernel: 300 us, 100 of them its DRAM bytes at 4 TB/s
+    predicted = tmp_path / "predicted_times.json"
+    predicted.write_text(json.dumps(dict(kernels={"mhclite": {"float32": {first: dict(us=300.0, dram_us=100.0)}}},
+                                         machine=dict(name="GPU X", sms=132, l2_bytes=50_000_000, cc=90),
+                                         copy_bandwidth=4e12, step_latency_ns=500.0, triton="3.6.0")))
     out = tmp_path / "kernels.json"
     bench_kernels.main(FLAGS + ["--residuals", "mhclite", "--dtype", "float32", "--kernel_bytes", str(counted),
-                                "--json", str(out)])
+                                "--predicted_times", str(predicted), "--json", str(out)])
     printed = capsys.readouterr().out
     result = json.loads(out.read_text())
     assert result["mode"] == "kernels"
@@ -75,11 +80,17 @@ def test_kernels_table_has_every_launch_with_its_counted_bytes(tmp_path, capsys)
             assert r["bytes_per_token"] == 3000
             assert r["gb_per_s"] == pytest.approx(3000 * 4 / r["ms"] / 1e6)
             assert r["copy_ratio"] == pytest.approx(r["gb_per_s"] / kernels["copies"]["float32"]["gb_per_s"])
+            # the DRAM term moved from 4 TB/s to the copy measured here, the rest kept
+            copy = 1e9 * kernels["copies"]["float32"]["gb_per_s"]
+            assert r["predicted_us_at_m"] == pytest.approx(200.0 + 100.0 * 4e12 / copy)
+            assert r["measured_over_predicted"] == pytest.approx(1000 * r["ms"] / r["predicted_us_at_m"])
         else:
             assert r["bytes_per_token"] is None and r["gb_per_s"] is None and r["copy_ratio"] is None
+            assert r["predicted_us_at_m"] is None
     for dtype, size in (("float32", 4), ("bfloat16", 2)):
         assert kernels["copies"][dtype]["bytes"] == 2 * 4 * 4 * 128 * size
     assert "CPU DRY RUN" in printed if DEVICE == "cpu" else "CPU DRY RUN" not in printed
+    assert "on GPU X (sm_90, 132 SMs, triton 3.6.0), the DRAM terms at the copy above" in printed
     splits = result["splits"]["rows"]
     assert [(r["stream_dtype"], r["splits"]) for r in splits] == [("float32", 1), ("bfloat16", 1)]
     assert printed.count("| mhclite |") == len(rows) + len(splits)
@@ -121,6 +132,9 @@ def test_the_default_kernel_bytes_file_is_count_bytes_json():
     (["--device", "cpu", "--residuals", "res"], True, "--residuals must name some of hc, mhc, mhclite"),
     (["--device", "cpu", "--steps", "0"], True, "--steps must be >= 1"),
     (["--device", "cpu", "--kernel_bytes", "absent.json"], True, "cannot read the kernel bytes absent.json"),
+    (["--device", "cpu", "--predicted_times", "absent.json"], True, "cannot read the predicted times absent.json"),
+    (["--device", "cpu", "--predicted_times", bench_kernels.KERNEL_BYTES], True,
+     "is not the output of python -m fused.tools.latency --predictions"),
 ])
 def test_kernels_bad_settings_give_one_error_line(flags, interpret, message, monkeypatch, capsys):
     if interpret:  # the checks after this one, also on a CUDA machine (nothing runs)
