@@ -32,10 +32,13 @@ def main():
         if i == 0:
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before  # ru_maxrss: KiB on Linux
             params = list(model.parameters())
-            print(json.dumps(dict(rank=dist.get_rank(), peak=peak,
-                                  shard=sum(p.to_local().nbytes for p in params),
-                                  whole=sum(p.numel() * p.element_size() for p in params),
-                                  largest=max(p.numel() * p.element_size() for p in params))), flush=True)
+            line = json.dumps(dict(rank=dist.get_rank(), peak=peak, shard=sum(p.to_local().nbytes for p in params),
+                                   whole=sum(p.numel() * p.element_size() for p in params),
+                                   largest=max(p.numel() * p.element_size() for p in params)))
+            # One write with its newline: unbuffered (PYTHONUNBUFFERED), print writes the newline apart,
+            # and the other rank's line can land between the two on the shared pipe.
+            sys.stdout.write(line + "\n")
+            sys.stdout.flush()
         if len(sys.argv) > 2:
             whole = {name: value.full_tensor() if hasattr(value, "full_tensor") else value  # every rank gathers
                      for name, value in model.state_dict().items()}
