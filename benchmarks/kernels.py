@@ -115,9 +115,9 @@ def kernel_bench(args, device):
                                  predicted_us_at_m=predicted_us, measured_over_predicted=ratio(1000 * row["ms"],
                                                                                                predicted_us)))
             del launches
-    machine = {key: predicted[key] for key in ("machine", "triton", "step_latency_ns") if key in predicted}
+    prediction = {key: predicted[key] for key in ("machine", "triton", "step_latency_ns")} if predicted else {}
     return dict(rows=rows, copies=copies, tokens=tokens, n_streams=n, width=width, autocast=args.dtype,
-                kernel_bytes=args.kernel_bytes, predicted_times=args.predicted_times, prediction=machine,
+                kernel_bytes=args.kernel_bytes, predicted_times=args.predicted_times, prediction=prediction,
                 dry_run=device.type != "cuda")
 
 
