@@ -8,7 +8,7 @@ setting is run on the recorded launch's inputs, checked against the shipped sett
 
 Each setting's outputs are poisoned with NaN before it runs, so an output it leaves unwritten fails
 the check. The backward kernels are timed with the sums of their partials (grad scale and grad bias
-per token block of pre_backward_reduce, grad W per token split of pre_backward_weight).
+per token block of pre_backward_grad_x, grad W per token split of pre_backward_weight).
 """
 
 import argparse
@@ -31,18 +31,15 @@ SWEEP = {
     "pre_kernel": dict(BLOCK_T=(16, 32, 64), BLOCK_C=(16, 32, 64), num_warps=(4, 8), STAGES=(1, 2, 3)),
     "post_kernel": dict(BLOCK_T=(4, 8, 16), BLOCK_C=(16, 64, 128, 256), num_warps=(4, 8)),
     "post_backward_kernel": dict(BLOCK_T=(4, 8, 16), BLOCK_C=(16, 64, 128, 256), num_warps=(4, 8)),
-    "pre_backward_reduce_kernel": dict(BLOCK_T=(16, 32), BLOCK_C=(32, 64, 128), num_warps=(4, 8), STAGES=(1, 2, 3)),
-    "pre_backward_apply_kernel": dict(BLOCK_T=(16, 32), BLOCK_C=(16, 32, 64), num_warps=(4, 8), splits=(32, 64, 128),
-                                      STAGES=(1, 2, 3)),
+    "pre_backward_grad_x_kernel": dict(BLOCK_T=(16, 32), BLOCK_C=(32, 64, 128), num_warps=(4, 8), STAGES=(1, 2, 3)),
     "pre_backward_weight_kernel": dict(BLOCK_T=(32, 64), BLOCK_C=(16, 32, 64), num_warps=(4, 8), splits=(8, 16, 32)),
 }
-SPLIT_KERNELS = ("pre_backward_apply_kernel", "pre_backward_weight_kernel")  # grid (channel blocks, token splits)
+SPLIT_KERNELS = ("pre_backward_weight_kernel",)  # grid (channel blocks, token splits)
 QUICK = {kernel: {key: values[:2] for key, values in sweep.items()} for kernel, sweep in SWEEP.items()}
 OUTPUTS = {"pre_kernel": ("u_ptr", "h_pre_ptr", "h_post_ptr", "h_res_ptr", "z_ptr", "rms_inv_ptr"),
            "post_kernel": ("out_ptr",),
            "post_backward_kernel": ("grad_y_ptr", "grad_h_post_ptr"),
-           "pre_backward_reduce_kernel": ("grad_z_ptr", "coefs_ptr", "grad_scale_ptr", "grad_bias_ptr"),
-           "pre_backward_apply_kernel": ("grad_x_ptr",),
+           "pre_backward_grad_x_kernel": ("grad_z_ptr", "grad_x_ptr", "grad_scale_ptr", "grad_bias_ptr"),
            "pre_backward_weight_kernel": ("grad_weight_ptr",)}
 PARTIALS = ("grad_weight_ptr", "grad_scale_ptr", "grad_bias_ptr")  # one slice per token block or split
 # ||setting - shipped|| / ||shipped|| allowed: fp32 outputs differ only in summation order; a bf16

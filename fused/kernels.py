@@ -7,11 +7,9 @@ output element; VARIANT is "hc", "mhc" or "mhclite"):
     (branch)       y = f(u)
     post           x, h_res, h_post, y -> x_next              x_next[i] = sum_j h_res[i, j] x[j] + h_post[i] y
     post_backward  g = grad x_next, y -> grad y, grad h_post  before the branch's backward
-    pre_backward_reduce  x, g, grad u, grad h_post ->        after it, per token block: coefficient grads,
-                   grad z, grad x's coefficients, and the     coefficient-math backward in registers
-                   block's grad scale and grad bias
-    pre_backward_apply   x, g, grad u, grad z, coefs ->       per channel block and token split: grad x
-                   grad x                                     written once (mixing, projection and RMS terms)
+    pre_backward_grad_x  x, g, grad u, grad h_post ->        after it, per token block: coefficient grads,
+                   grad x, grad z, and the block's grad       the coefficient-math backward in registers,
+                   scale and grad bias                        then grad x from a re-read of the block
     pre_backward_weight  x, grad z -> the split's partial     per channel block and token split: grad W's
                    of grad W                                  slice summed on chip
 
@@ -33,10 +31,6 @@ import triton.language as tl
 STREAMS: tl.constexpr = tl.constexpr(4)
 PAIR_LOGITS: tl.constexpr = tl.constexpr(16)  # mhc/mhclite pre and post logits (2n = 8), padded for tl.dot
 HC_LOGITS: tl.constexpr = tl.constexpr(16)  # hc logits per stream (n + 2 = 6), padded for tl.dot
-# Per token, the coefficients of grad x[j]'s terms, one row each: h_pre[j] of grad u, h_res[i, j] of
-# g[i] (n rows), the RMS row term r[j] of x[j]; the tile pads the n + 2 rows to 8.
-GRAD_X_TERMS: tl.constexpr = tl.constexpr(6)
-GRAD_X_TERMS_BLOCK: tl.constexpr = tl.constexpr(8)
 
 
 @triton.jit
@@ -275,10 +269,12 @@ def pre_kernel(x_ptr, weight_ptr, scale_ptr, bias_ptr, perm_ptr, u_ptr, h_pre_pt
     pair_index = stream[:, None] * STREAMS + stream[None, :]
     tl.store(h_res_ptr + token[:, None, None] * (STREAMS * STREAMS) + pair_index[None, :, :], h_res,
              mask=token_ok[:, None, None])
-    # u = sum_j h_pre[j] x[j], from a re-read of the tile just projected.
+    # u = sum_j h_pre[j] x[j], from a re-read of the tile just projected, last channels first: the
+    # ones L2 most likely still holds.
     base = token.to(tl.int64) * (STREAMS * C)
-    for start in tl.range(0, C, BLOCK_C, num_stages=STAGES):
-        channel = start + tl.arange(0, BLOCK_C)
+    blocks = tl.cdiv(C, BLOCK_C)
+    for step in tl.range(0, blocks, num_stages=STAGES):
+        channel = (blocks - 1 - step) * BLOCK_C + tl.arange(0, BLOCK_C)
         channel_ok = channel < C
         x = tl.load(x_ptr + base[:, None, None] + stream[None, :, None] * C + channel[None, None, :],
                     mask=token_ok[:, None, None] & channel_ok[None, None, :], other=0.0).to(tl.float32)
@@ -362,38 +358,43 @@ def mixing_grads(x_ptr, grad_ptr, grad_u_ptr, token, token_ok, C, BLOCK_C: tl.co
 
 
 @triton.jit
-def coefficient_row(coefs, term):
-    """Row `term` of a (T, GRAD_X_TERMS_BLOCK, n) tile of grad x's coefficients, as (T, n)."""
-    row = tl.arange(0, GRAD_X_TERMS_BLOCK)
-    return tl.sum(tl.where(row[None, :, None] == term, coefs, 0.0), axis=1)
-
-
-@triton.jit
-def grad_x_terms(coefs, grad, grad_u, x):
+def grad_x_terms(h_pre, h_res, row_term, grad, grad_u, x):
     """grad x[j] but the projection's term, for (T, n, BLOCK_C) tiles of g and x: h_pre[j] grad u +
-    sum_i h_res[i, j] g[i] + r[j] x[j], with coefs the (T, GRAD_X_TERMS_BLOCK, n) coefficients."""
+    sum_i h_res[i, j] g[i] + r[j] x[j], with r the RMS factor's row term (T, n)."""
     stream = tl.arange(0, STREAMS)
-    out = coefficient_row(coefs, 0)[:, :, None] * grad_u[:, None, :]
-    out += coefficient_row(coefs, STREAMS + 1)[:, :, None] * x
+    out = h_pre[:, :, None] * grad_u[:, None, :] + row_term[:, :, None] * x
     for i in tl.static_range(STREAMS):  # stream by stream: (T, n, BLOCK_C) tiles, not (T, n, n, BLOCK_C)
         grad_i = tl.sum(tl.where(stream[None, :, None] == i, grad, 0.0), axis=1)  # g[:, i, :]
-        out += coefficient_row(coefs, 1 + i)[:, :, None] * grad_i[:, None, :]
+        h_res_i = tl.sum(tl.where(stream[None, :, None] == i, h_res, 0.0), axis=1)  # h_res[:, i, :]
+        out += h_res_i[:, :, None] * grad_i[:, None, :]
     return out
 
 
 @triton.jit
-def pre_backward_reduce_kernel(x_ptr, grad_ptr, grad_u_ptr, grad_h_post_ptr, scale_ptr, bias_ptr, perm_ptr, z_ptr,
-                               rms_inv_ptr, grad_z_ptr, coefs_ptr, grad_scale_ptr,
-                               grad_bias_ptr, T, C, VARIANT: tl.constexpr, RES: tl.constexpr, ITERS: tl.constexpr,
-                               BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, RES_BLOCK: tl.constexpr,
-                               STAGES: tl.constexpr):
-    """After the branch's backward, the first of two passes, one program per BLOCK_T tokens:
-    recomputes the coefficients from z and rms_inv, reduces the mixing's coefficient grads over the
-    channels, runs the coefficient math backward in registers and stores, per token, what the apply
-    pass needs: the projection's gradient grad z (before the RMS factor) and the coefficients of
-    grad x's other terms (GRAD_X_TERMS rows: h_pre, h_res, the RMS row term); and its token
-    block's grad scale and grad bias.
-    Per token: reads x and g (2 nCs), grad u (4C) and O(n^2) floats; writes O(n^2) floats."""
+def stream_channel_block(start, C, BLOCK_C: tl.constexpr):
+    """The n * BLOCK_C columns (stream, channel) of a block of channels start.. of mhc's and mhclite's
+    rows of n * C: each column's offset in a row and whether its channel exists."""
+    depth_in_block = tl.arange(0, STREAMS * BLOCK_C)
+    channel = start + depth_in_block % BLOCK_C
+    return (depth_in_block // BLOCK_C) * C + channel, channel < C
+
+
+@triton.jit
+def pre_backward_grad_x_kernel(x_ptr, grad_ptr, grad_u_ptr, grad_h_post_ptr, weight_ptr, scale_ptr, bias_ptr,
+                               perm_ptr, z_ptr, rms_inv_ptr, grad_z_ptr, grad_x_ptr, grad_scale_ptr, grad_bias_ptr,
+                               T, C, VARIANT: tl.constexpr, RES: tl.constexpr, ITERS: tl.constexpr,
+                               OPERANDS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+                               RES_BLOCK: tl.constexpr, STAGES: tl.constexpr):
+    """After the branch's backward, one program per BLOCK_T tokens, two passes over their channels.
+    The first reduces the mixing's coefficient grads over the channels; then the coefficient math
+    runs backward in registers (the coefficients recomputed from z and rms_inv) to the projection's
+    gradient grad z (before the RMS factor, stored for the grad-W kernel) and the token block's
+    grad scale and grad bias. The second writes grad x = h_pre grad u + h_res^T g + row term x +
+    grad z W from a re-read of the same tiles, last channels first, so that the tiles read last in
+    the first pass are re-read while L2 still holds them. The weight (bf16 when the GEMM takes bf16
+    operands, cast once by the caller) is read by every program, so L2 holds it once for all.
+    Per token: reads x and g (2 nCs) and grad u (4C) twice, the first time from DRAM; writes grad x
+    (nCs) and O(n^2) floats."""
     program = tl.program_id(0)
     stream = tl.arange(0, STREAMS)
     token = program * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -461,81 +462,38 @@ def pre_backward_reduce_kernel(x_ptr, grad_ptr, grad_u_ptr, grad_h_post_ptr, sca
         grad_res = grad_res * scale_res[None, :]
         grad_rms = tl.sum(grad_pair * z_pair, axis=1) + tl.sum(grad_res * z_res, axis=1)
         row_term = tl.broadcast_to((-grad_rms * rms_inv * rms_inv * rms_inv / D)[:, None], (BLOCK_T, STREAMS))
-        tl.store(grad_z_ptr + token[:, None] * LOGITS + pair[None, :], grad_pair * rms_inv[:, None],
+        grad_z_pair = grad_pair * rms_inv[:, None]
+        grad_z_res = grad_res * rms_inv[:, None]
+        tl.store(grad_z_ptr + token[:, None] * LOGITS + pair[None, :], grad_z_pair,
                  mask=token_ok[:, None] & pair_ok[None, :])
-        tl.store(grad_z_ptr + token[:, None] * LOGITS + 2 * STREAMS + res[None, :], grad_res * rms_inv[:, None],
+        tl.store(grad_z_ptr + token[:, None] * LOGITS + 2 * STREAMS + res[None, :], grad_z_res,
                  mask=token_ok[:, None] & res_ok[None, :])
-    coefs = coefs_ptr + token * (GRAD_X_TERMS * STREAMS)
-    tl.store(coefs[:, None] + stream[None, :], h_pre, mask=token_ok[:, None])
-    tl.store(coefs[:, None, None] + ((1 + stream[:, None]) * STREAMS + stream[None, :])[None], h_res,
-             mask=token_ok[:, None, None])
-    tl.store(coefs[:, None] + (STREAMS + 1) * STREAMS + stream[None, :], row_term, mask=token_ok[:, None])
-
-
-@triton.jit
-def stream_channel_block(start, C, BLOCK_C: tl.constexpr):
-    """The n * BLOCK_C columns (stream, channel) of a block of channels start.. of mhc's and mhclite's
-    rows of n * C: each column's offset in a row and whether its channel exists."""
-    depth_in_block = tl.arange(0, STREAMS * BLOCK_C)
-    channel = start + depth_in_block % BLOCK_C
-    return (depth_in_block // BLOCK_C) * C + channel, channel < C
-
-
-@triton.jit
-def pre_backward_apply_kernel(x_ptr, grad_ptr, grad_u_ptr, weight_ptr, grad_z_ptr, coefs_ptr, grad_x_ptr, T, C,
-                              VARIANT: tl.constexpr, RES: tl.constexpr, OPERANDS: tl.constexpr,
-                              BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, LOGITS_BLOCK: tl.constexpr,
-                              STAGES: tl.constexpr):
-    """The second pass, one program per BLOCK_C channels (of every stream) and token split: its
-    slice of the weight (bf16 when the GEMM takes bf16 operands, cast once by the caller) stays in
-    registers while it walks the split's token blocks (every num_programs(1)-th one) and writes
-    grad x = h_pre grad u + h_res^T g + row term x + grad z W once. Nothing is summed over tokens
-    here: grad W is pre_backward_weight_kernel's.
-    Per token: reads x and g (2 nCs), grad u (4C) and O(n^2) floats per channel block; writes grad x (nCs)."""
-    channel_block = tl.program_id(0)
-    split = tl.program_id(1)
-    start = channel_block * BLOCK_C
-    stream = tl.arange(0, STREAMS)
-    term = tl.arange(0, GRAD_X_TERMS_BLOCK)
-    channel = start + tl.arange(0, BLOCK_C)
-    channel_ok = channel < C
-    if VARIANT == "hc":
-        k = tl.arange(0, HC_LOGITS)
-        k_ok = k < STREAMS + 2
-        weight = tl.load(weight_ptr + k[:, None] * C + channel[None, :], mask=k_ok[:, None] & channel_ok[None, :],
-                         other=0.0)
-    else:
-        LOGITS: tl.constexpr = 2 * STREAMS + RES
-        D = STREAMS * C
-        logit = tl.arange(0, LOGITS_BLOCK)  # every logit at once: [pre | post | res]
-        logit_ok = logit < LOGITS
-        depth, depth_ok = stream_channel_block(start, C, BLOCK_C)
-        weight = tl.load(weight_ptr + logit[:, None] * D + depth[None, :], mask=logit_ok[:, None] & depth_ok[None, :],
-                         other=0.0)
-    for block in tl.range(split, tl.cdiv(T, BLOCK_T), tl.num_programs(1), num_stages=STAGES):
-        token = block * BLOCK_T + tl.arange(0, BLOCK_T)
-        token_ok = token < T
-        coefs = tl.load(coefs_ptr + token[:, None, None] * (GRAD_X_TERMS * STREAMS)
-                        + (term[:, None] * STREAMS + stream[None, :])[None, :, :],
-                        mask=token_ok[:, None, None] & (term < GRAD_X_TERMS)[None, :, None], other=0.0)
-        grad_u = tl.load(grad_u_ptr + token.to(tl.int64)[:, None] * C + channel[None, :],
-                         mask=token_ok[:, None] & channel_ok[None, :], other=0.0)
-        # x, g and grad x share one layout: per token n rows of C, this block's BLOCK_C channels of each.
-        tile = token.to(tl.int64)[:, None, None] * (STREAMS * C) + stream[None, :, None] * C + channel[None, None, :]
+    base = token.to(tl.int64) * (STREAMS * C)
+    blocks = tl.cdiv(C, BLOCK_C)
+    for step in tl.range(0, blocks, num_stages=STAGES):
+        start = (blocks - 1 - step) * BLOCK_C  # last channels first: the tiles L2 most likely still holds
+        channel = start + tl.arange(0, BLOCK_C)
+        channel_ok = channel < C
+        tile = base[:, None, None] + stream[None, :, None] * C + channel[None, None, :]
         tile_ok = token_ok[:, None, None] & channel_ok[None, None, :]
-        grad = tl.load(grad_ptr + tile, mask=tile_ok, other=0.0).to(tl.float32)
         x = tl.load(x_ptr + tile, mask=tile_ok, other=0.0).to(tl.float32)
-        terms = grad_x_terms(coefs, grad, grad_u, x)
+        grad = tl.load(grad_ptr + tile, mask=tile_ok, other=0.0).to(tl.float32)
+        grad_u = tl.load(grad_u_ptr + token.to(tl.int64)[:, None] * C + channel[None, :],
+                         mask=token_ok[:, None] & channel_ok[None, :], other=0.0).to(tl.float32)
+        terms = grad_x_terms(h_pre, h_res, row_term, grad, grad_u, x)
         if VARIANT == "hc":
-            row = block * BLOCK_T * STREAMS + tl.arange(0, BLOCK_T * STREAMS)  # (token, stream) rows
-            row_ok = row < T * STREAMS
-            grad_z = tl.load(grad_z_ptr + row[:, None] * (STREAMS + 2) + k[None, :],
-                             mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            weight = tl.load(weight_ptr + k[:, None] * C + channel[None, :], mask=k_ok[:, None] & channel_ok[None, :],
+                             other=0.0)
             grad_rows = dot_accumulate(grad_z, weight, tl.reshape(terms, (BLOCK_T * STREAMS, BLOCK_C)), OPERANDS)
         else:
-            grad_z = tl.load(grad_z_ptr + token[:, None] * LOGITS + logit[None, :],
-                             mask=token_ok[:, None] & logit_ok[None, :], other=0.0)
-            grad_rows = dot_accumulate(grad_z, weight, tl.reshape(terms, (BLOCK_T, STREAMS * BLOCK_C)), OPERANDS)
+            depth, depth_ok = stream_channel_block(start, C, BLOCK_C)
+            weight_pair = tl.load(weight_ptr + pair[:, None] * D + depth[None, :],
+                                  mask=pair_ok[:, None] & depth_ok[None, :], other=0.0)
+            weight_res = tl.load(weight_ptr + (2 * STREAMS + res[:, None]) * D + depth[None, :],
+                                 mask=res_ok[:, None] & depth_ok[None, :], other=0.0)
+            grad_rows = dot_accumulate(grad_z_pair, weight_pair, tl.reshape(terms, (BLOCK_T, STREAMS * BLOCK_C)),
+                                       OPERANDS)
+            grad_rows = dot_accumulate(grad_z_res, weight_res, grad_rows, OPERANDS)
         tl.store(grad_x_ptr + tile, tl.reshape(grad_rows, (BLOCK_T, STREAMS, BLOCK_C)).to(grad_x_ptr.dtype.element_ty),
                  mask=tile_ok)
 

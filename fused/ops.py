@@ -8,17 +8,16 @@ h_pre[j] x[j]. connection_post computes x_next = h_res x + h_post y from x and s
 dtype. Backward: connection_post's backward kernel (before the branch's backward) makes grad y and
 grad h_post; it hands the incoming gradient g on, untouched, as the gradient of `next_grad`, a
 zero-storage output of connection_pre of x's shape, so that connection_pre's backward (after the
-branch's backward) has g, grad u and x together, in three kernels: a reduce kernel over token
-blocks makes the coefficient gradients and runs the coefficient math backward in registers (mhc:
-Sinkhorn recomputed from checkpoints), storing per token the projection's gradient grad z; an
-apply kernel over channel blocks writes grad x once with the mixing, projection and RMS terms in
-it; a grad-W kernel over channel blocks sums grad z^T x over each token split on chip (the splits
-summed by one small torch reduction, in a fixed order). grad W has its own kernel, which reads x
-once more, so that neither kernel holds both the weight slice and grad W's accumulators (the
-apply kernel's registers then allow two CTAs per SM, not one). No autograd add of two full-size
-gradients, no cast copy of x, no weight-sized partial re-read per token block. Saved for
-backward: x and per token O(n^2) floats (z, rms_inv), nothing n x C wide. Bytes per token:
-docs/benchmarks.md (python -m fused.tools.count_bytes).
+branch's backward) has g, grad u and x together, in two kernels: one over token blocks reduces
+the coefficient gradients over the channels, runs the coefficient math backward in registers (mhc:
+Sinkhorn recomputed from checkpoints), stores per token the projection's gradient grad z and
+writes grad x once with the mixing, projection and RMS terms in it, from a re-read of its token
+block that L2 serves; a grad-W kernel over channel blocks sums grad z^T x over each token split on
+chip (the splits summed by one small torch reduction, in a fixed order). grad W has its own
+kernel, which reads x once more, because a token block's program would need a weight-sized partial
+of its own. No autograd add of two full-size gradients, no cast copy of x, no weight-sized partial
+re-read per token block. Saved for backward: x and per token O(n^2) floats (z, rms_inv), nothing
+n x C wide. Bytes per token: docs/benchmarks.md (python -m fused.tools.count_bytes).
 
 Every kernel launch goes through `_launch`; `launch_hook` lets a tool see (and run, or not) each one.
 """
@@ -32,48 +31,44 @@ from residuals import RMS_EPS
 
 STREAMS = 4  # the kernels are written for n = 4 streams
 MIN_SINKHORN_ITERS = 4  # the Sinkhorn backward keeps four checkpoints
-GRAD_X_TERMS = STREAMS + 2  # kernels.GRAD_X_TERMS: per token, the coefficients of grad x's terms
 
 # Each kernel's tile (constexprs: tokens per program or per loop step, channels per loop step or per
 # program) and warps: post and post_backward the fastest setting of `python -m
-# benchmarks.kernel_tiles --size M` on an H100 (docs/benchmarks.md); pre and pre_backward's three
-# kernels chosen on CPU with python -m fused.tools.latency and fused.tools.resources (pre: 16
-# tokens, so that the resident programs' x tiles fit in L2 for the re-read; the backward's: the
-# largest tiles that keep 2 CTAs per SM on sm_90), not yet timed on a GPU. None spills registers
-# on sm_80 or sm_90 (python -m fused.tools.resources). tl.dot needs 16 or more tokens and channels.
+# benchmarks.kernel_tiles --size M` on an H100 (docs/benchmarks.md); pre and the backward's two
+# kernels chosen on CPU with python -m fused.tools.latency and fused.tools.resources (pre and the
+# grad-x kernel: 16 tokens, so that the resident programs' tiles stay in L2 for their re-read; the
+# grad-x kernel: 128 channels per step, the fewest serial steps without spills), not yet timed on a
+# GPU. None spills registers on sm_80 or sm_90 (python -m fused.tools.resources). tl.dot needs 16
+# or more tokens and channels.
 # STAGES: how far ahead the software pipeline issues a loop's loads (cp.async into shared memory) in
-# pre's u loop and the reduce and apply kernels' loops; triton pipelines on its own only the loops
-# that feed tl.dot. Chosen so that no kernel loses a CTA per SM or spills; not yet timed on a GPU.
+# pre's u loop and the grad-x kernel's loops; triton pipelines on its own only the loops that feed
+# tl.dot. Chosen so that no kernel loses a CTA per SM or spills; not yet timed on a GPU.
 TILES = {"pre_kernel": dict(BLOCK_T=16, BLOCK_C=64, num_warps=8, STAGES=2),
          "post_kernel": dict(BLOCK_T=4, BLOCK_C=256, num_warps=4),
          "post_backward_kernel": dict(BLOCK_T=8, BLOCK_C=128, num_warps=4),
-         "pre_backward_reduce_kernel": dict(BLOCK_T=32, BLOCK_C=32, num_warps=8, STAGES=2),
-         "pre_backward_apply_kernel": dict(BLOCK_T=16, BLOCK_C=32, num_warps=8, STAGES=3),
+         "pre_backward_grad_x_kernel": dict(BLOCK_T=16, BLOCK_C=128, num_warps=8, STAGES=2),
          "pre_backward_weight_kernel": dict(BLOCK_T=64, BLOCK_C=32, num_warps=8)}
 # Channels per step (pre) or per program (the backward's kernels) at a width that is not a multiple
 # of 16: triton's JIT then cannot prove the rows aligned, every element gets its own 64-bit pointer,
 # and the shipped tiles spill (the backward's under triton 3.6 on sm_80).
 UNALIGNED_PRE_BLOCK_C = 32
 UNALIGNED_BACKWARD_BLOCK_C = 16
-# mhc's spills on sm_90 at 32 tokens, at 8 warps, or with its loop pipelined.
-UNALIGNED_REDUCE_TILE = dict(BLOCK_T=16, num_warps=4, STAGES=1)
+# The grad-x kernel there spills at 4 warps (mhc and mhclite, sm_80 and sm_90).
+UNALIGNED_GRAD_X_TILE = dict(num_warps=8, STAGES=1)
 # fp32 x fp32 products (no bf16 autocast) need more registers: the grad-W kernel's spill at 32
-# tokens per step with bf16 streams, pre's at 64 channels per step under triton 3.6.
+# tokens per step with bf16 streams, pre's at 64 channels per step under triton 3.6, and the grad-x
+# kernel's at 128 channels (with fp32 streams its staged tiles also overflow sm_80's shared memory).
 FP32_OPERANDS_WEIGHT_BLOCK_T = 16
 FP32_OPERANDS_PRE_BLOCK_C = 32
+FP32_OPERANDS_GRAD_X_BLOCK_C = 64
 # hc's pre projects (token, stream) rows, so tl.dot's 16 rows take 4 tokens; its lighter program
 # keeps more of them resident per SM, so fewer tokens each keep their x tiles in L2 for the re-read.
 HC_PRE_BLOCK_T = 8
-# hc's reduce kernel with its loop pipelined holds one CTA per SM at 32 tokens, three at 16.
-HC_REDUCE_BLOCK_T = 16
 # mhc's pre also runs the Sinkhorn iterations: at 64 channels per step triton 3.6 spills on sm_90.
 MHC_PRE_BLOCK_C = 32
 # Token splits of the grad-W kernel, each with its own weight-sized partial of grad W: a fixed
 # number, so that the partials cost the same whatever the token count.
 WEIGHT_GRAD_SPLITS = 16
-# Token splits of the backward's apply kernel: each program reads its weight slice once for the
-# split's token blocks, and there are no partials, so this only sets how many programs there are.
-APPLY_TOKEN_SPLITS = 64
 
 
 # ----------------------------------------------------------------------------------------------
@@ -236,47 +231,37 @@ def connection_pre_backward(x: torch.Tensor, grad: torch.Tensor, grad_u: torch.T
                             sinkhorn_iters: int, bf16_operands: bool
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad x in x's dtype, grad weight, grad scale, grad bias) of the connection, from the
-    gradient g of its output (grad), grad u and grad h_post (connection_post_backward): a reduce
-    kernel per token block, then the apply and grad-W kernels per channel block and token split;
-    grad W, grad scale and grad bias are sums of partials in a fixed order, the same bits on every
-    run."""
+    gradient g of its output (grad), grad u and grad h_post (connection_post_backward): the grad-x
+    kernel per token block, then the grad-W kernel per channel block and token split; grad W, grad
+    scale and grad bias are sums of partials in a fixed order, the same bits on every run."""
     x, grad, grad_u, grad_h_post = (t.contiguous() for t in (x, grad, grad_u, grad_h_post))
     tokens, n, c = x.shape
     grad_x = torch.empty_like(x)
-    reduce_tile, apply_tile, weight_tile = (dict(TILES[f"pre_backward_{name}_kernel"])
-                                            for name in ("reduce", "apply", "weight"))
+    grad_x_tile, weight_tile = dict(TILES["pre_backward_grad_x_kernel"]), dict(TILES["pre_backward_weight_kernel"])
     if c % 16:
-        for tile in (reduce_tile, apply_tile, weight_tile):
+        for tile in (grad_x_tile, weight_tile):
             tile["BLOCK_C"] = min(tile["BLOCK_C"], UNALIGNED_BACKWARD_BLOCK_C)
-        reduce_tile.update(UNALIGNED_REDUCE_TILE)
-    if variant == "hc":
-        reduce_tile["BLOCK_T"] = min(reduce_tile["BLOCK_T"], HC_REDUCE_BLOCK_T)
+        grad_x_tile.update(UNALIGNED_GRAD_X_TILE)
     if not bf16_operands:
+        grad_x_tile["BLOCK_C"] = min(grad_x_tile["BLOCK_C"], FP32_OPERANDS_GRAD_X_BLOCK_C)
         weight_tile["BLOCK_T"] = min(weight_tile["BLOCK_T"], FP32_OPERANDS_WEIGHT_BLOCK_T)
-    blocks = _cdiv(tokens, reduce_tile["BLOCK_T"])
+    blocks = _cdiv(tokens, grad_x_tile["BLOCK_T"])
     splits = min(WEIGHT_GRAD_SPLITS, _cdiv(tokens, weight_tile["BLOCK_T"]))
-    # Every reduce program and every grad-W program (splits <= token blocks) writes its whole slice: no zero fill.
+    # Every grad-x program and every grad-W program (splits <= token blocks) writes its whole slice: no zero fill.
     grad_weight = weight.new_empty((splits, *weight.shape))
     grad_scale = scale.new_empty((blocks, scale.numel()))
     grad_bias = bias.new_empty((blocks, bias.numel()))
     if tokens > 0:
         perms = perm_matrices.contiguous() if perm_matrices.numel() else weight
-        f32 = dict(dtype=torch.float32)
         grad_z = torch.empty_like(z)
-        grad_x_coefs = x.new_empty((tokens, GRAD_X_TERMS, n), **f32)  # h_pre, h_res's n rows, the RMS row term
         constexprs = _variant_constexprs(variant, weight, bf16_operands, sinkhorn_iters, x.device)
-        _launch("pre_backward_reduce_kernel", (blocks,), x.device, x, grad, grad_u, grad_h_post, scale, bias, perms,
-                z, rms_inv, grad_z, grad_x_coefs, grad_scale, grad_bias, tokens, c, **reduce_tile,
-                **{k: v for k, v in constexprs.items() if k != "OPERANDS"})
-        apply_splits = min(APPLY_TOKEN_SPLITS, _cdiv(tokens, apply_tile["BLOCK_T"]))
-        # The apply and grad-W kernels take all of mhc's and mhclite's logits as one tile.
-        operand_constexprs = dict(VARIANT=variant, RES=constexprs["RES"], OPERANDS=constexprs["OPERANDS"],
-                                  LOGITS_BLOCK=max(16, _power_of_two_at_least(weight.shape[0])))
-        _launch("pre_backward_apply_kernel", (_cdiv(c, apply_tile["BLOCK_C"]), apply_splits), x.device, x, grad,
-                grad_u, _weight_operand(weight, bf16_operands), grad_z, grad_x_coefs, grad_x, tokens, c, **apply_tile,
-                **operand_constexprs)
+        _launch("pre_backward_grad_x_kernel", (blocks,), x.device, x, grad, grad_u, grad_h_post,
+                _weight_operand(weight, bf16_operands), scale, bias, perms, z, rms_inv, grad_z, grad_x, grad_scale,
+                grad_bias, tokens, c, **grad_x_tile, **constexprs)
+        # The grad-W kernel takes all of mhc's and mhclite's logits as one tile.
         _launch("pre_backward_weight_kernel", (_cdiv(c, weight_tile["BLOCK_C"]), splits), x.device, x, grad_z,
-                grad_weight, tokens, c, **weight_tile, **operand_constexprs)
+                grad_weight, tokens, c, **weight_tile, VARIANT=variant, RES=constexprs["RES"],
+                OPERANDS=constexprs["OPERANDS"], LOGITS_BLOCK=max(16, _power_of_two_at_least(weight.shape[0])))
     return grad_x, grad_weight.sum(0), grad_scale.sum(0).view(scale.shape), grad_bias.sum(0).view(bias.shape)
 
 

@@ -11,9 +11,9 @@ tile, and counts:
     address count both); every load and store as executed, repeats included ("executed"); the load
     instructions executed ("loads", the serial steps of fused.tools.latency); and the bytes of
     loads of an address the same program touched before, by reuse distance ("rereads", the input of
-    the L2 model in fused.tools.latency): the bytes of the program's own addresses it moved in
-    between, leaving out addresses other programs of the launch touch too (the weight, the
-    per-logit parameters), which L2 holds once for all programs;
+    the L2 model in fused.tools.latency): the bytes of the distinct addresses of its own the program
+    touched in between (an LRU cache's stack distance), leaving out addresses other programs of the
+    launch touch too (the weight, the per-logit parameters), which L2 holds once for all programs;
   - every aten op that runs outside the kernels (the connection's own torch code, inside the custom
     ops too), its inputs plus its outputs, leaving out views, metadata ops and allocations. The
     branch is a stand-in whose own forward and backward are not counted.
@@ -23,9 +23,8 @@ per token-block program (the weight each of pre's programs reads) does. Prints a
 {residual: {stream_dtype: {"kernels", "executed", "loads": {name: per token}, "rereads": {name:
 {floor(log2(bytes between)): bytes per token}}, "torch", "forward", "backward", "total",
 "executed_total", "per_split_at_m", "executed_per_split_at_m"}}}. What the backward moves once
-per token split, not per token, is counted with one split of each and apart: the grad-W kernel's
-weight-sized partial, written and summed ("per_split_at_m", unique, and executed), and the apply
-kernel's weight, which each split reads again (executed only: L2 holds it for all programs).
+per token split, not per token, is counted with one split and apart: the grad-W kernel's
+weight-sized partial, written and summed ("per_split_at_m", unique, and executed).
 One split's bytes are the difference between two splits and one on the same tokens; times the
 shipped splits over M's 16,384 tokens per micro-step, they are bytes per token at M.
 The reference path is counted twice: eager, every aten op as above; and compiled, every kernel
@@ -66,12 +65,12 @@ COMPILED_TOKEN_COUNTS = (2048, 4096)
 M_SEQUENCE = 1024  # tokens per sequence at M: a Block's compiled count runs whole sequences
 # Unique bytes only (UNIQUE_TOKEN_COUNTS, the split bytes): tokens per program at most this, for few
 # interpreted loop trips; a kernel's shipped BLOCK_T below it is kept, since its per-block outputs
-# (pre_backward_reduce's grad scale and grad bias) are unique bytes per block.
+# (pre_backward_grad_x's grad scale and grad bias) are unique bytes per block.
 COUNTING_BLOCK_T = 32
 M_TOKENS = 16 * 1024  # tokens per micro-step at M (16 x 1024), for the grad-W partials per token
 PARTIAL_TOKENS = 64  # two blocks of COUNTING_BLOCK_T: two splits of one block each
-# The backward's kernels that split tokens, by the ops setting of their split count.
-SPLIT_KERNELS = {"WEIGHT_GRAD_SPLITS": "pre_backward_weight_kernel", "APPLY_TOKEN_SPLITS": "pre_backward_apply_kernel"}
+# The backward's kernel that splits tokens, by the ops setting of its split count.
+SPLIT_KERNELS = {"WEIGHT_GRAD_SPLITS": "pre_backward_weight_kernel"}
 ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
 FILLS = {"new_zeros", "new_ones", "new_full", "zeros", "ones", "full", "zeros_like", "ones_like", "full_like"}
 
@@ -94,7 +93,7 @@ class KernelBytes:
     per direction), to counter.executed[name] every load's and store's bytes as executed (repeats
     included), to counter.loads[name] the load instructions executed (all programs), and to
     counter.rereads[name][d] the bytes of loads of an address the same program had touched before,
-    d = floor(log2(bytes of its own addresses the program moved in between)), for the L2 model
+    d = floor(log2(bytes of the distinct own addresses the program touched in between)), for the L2 model
     (fused.tools.latency.dram_bytes_per_token)."""
 
     def __init__(self):
@@ -188,31 +187,36 @@ def shared_addresses(accesses):
 
 def reuse_distances(accesses, shared=np.zeros(0, dtype=np.int64)):
     """{floor(log2(distance)): bytes} over the loads among one program's `accesses` (in order) of an
-    address an earlier access touched; distance = the bytes of the accesses between the two (at
-    least 1), leaving out the `shared` addresses (sorted)."""
-    def own(addresses):
-        if not shared.size:
-            return addresses.size
-        addresses = addresses.astype(np.int64)
-        at = np.minimum(np.searchsorted(shared, addresses), shared.size - 1)
-        return addresses.size - np.count_nonzero(shared[at] == addresses)
-
-    sizes = np.array([own(addresses) * itemsize for _, addresses, itemsize, _ in accesses], dtype=np.int64)
-    moved_before = np.concatenate([[0], np.cumsum(sizes)])
-    index = np.concatenate([np.full(a.size, k, dtype=np.int64) for k, (_, a, _, _) in enumerate(accesses)])
+    address an earlier access touched; distance = the bytes of the distinct addresses the accesses
+    between the two touched (at least 1; an LRU cache's stack distance: an address touched twice in
+    between takes room once), leaving out the `shared` addresses (sorted)."""
+    if not accesses:
+        return {}
     addresses = np.concatenate([a.astype(np.int64) for _, a, _, _ in accesses])
-    order = np.lexsort((index, addresses))
-    addresses, index = addresses[order], index[order]
-    again = (addresses[1:] == addresses[:-1]) & (index[1:] != index[:-1])
-    first, second = index[:-1][again], index[1:][again]
-    is_read = np.array([direction == "read" for direction, *_ in accesses])
-    itemsize = np.array([size for _, _, size, _ in accesses], dtype=np.int64)
-    reread = is_read[second]
-    first, second = first[reread], second[reread]
-    between = np.maximum(moved_before[second] - moved_before[first + 1], 1)
-    buckets = np.floor(np.log2(between)).astype(np.int64)
-    counts = np.bincount(buckets, weights=itemsize[second]) if buckets.size else np.zeros(0)
-    return {int(b): int(v) for b, v in enumerate(counts) if v}
+    unique, ids = np.unique(addresses, return_inverse=True)
+    own = np.ones(unique.size, dtype=bool)
+    if shared.size:
+        at = np.minimum(np.searchsorted(shared, unique), shared.size - 1)
+        own = shared[at] != unique
+    latest = np.full(unique.size, -1, dtype=np.int64)  # each address's latest access so far
+    held = np.zeros(len(accesses), dtype=np.int64)  # own bytes whose latest access is access k
+    counts = collections.Counter()
+    offset = 0
+    for k, (direction, access_addresses, itemsize, _) in enumerate(accesses):
+        here = np.unique(ids[offset:offset + access_addresses.size])
+        offset += access_addresses.size
+        before = latest[here]
+        seen = before >= 0
+        if direction == "read" and seen.any():
+            held_before = np.concatenate([[0], np.cumsum(held[:k])])
+            between = np.maximum(held_before[k] - held_before[before[seen] + 1], 1)
+            buckets, sizes = np.unique(np.floor(np.log2(between)).astype(np.int64), return_counts=True)
+            counts.update({int(b): int(n) * itemsize for b, n in zip(buckets, sizes)})
+        moved = here[seen & own[here]]
+        np.subtract.at(held, latest[moved], itemsize)
+        held[k] += np.count_nonzero(own[here]) * itemsize
+        latest[here] = k
+    return dict(sorted(counts.items()))
 
 
 def tensor_bytes(t):

@@ -14,9 +14,9 @@ Per kernel launch of one connection at M (16,384 tokens, C = 768, bf16 autocast)
 it derives
   - resident programs: min(grid, CTAs/SM x SMs);
   - DRAM bytes (the L2 model): unique bytes, plus every re-read (a load of an address its program had
-    touched before) whose reuse distance (bytes of its own addresses the program moved in between;
-    what every program reads, such as the weight, L2 holds once for all) times the resident programs
-    exceeds the L2: the other programs' traffic has evicted it;
+    touched before) whose reuse distance (bytes of the distinct addresses of its own the program
+    touched in between; what every program reads, such as the weight, L2 holds once for all) times
+    the resident programs exceeds the L2: the other programs' traffic has evicted it;
   - serial steps per program: its load instructions, one after another (no pipelining between
     dependent loop steps), and the waves of programs;
   - bytes in flight per SM: resident CTAs per SM x executed bytes per load instruction;

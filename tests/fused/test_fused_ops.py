@@ -37,13 +37,12 @@ def interpret_on_cpu(monkeypatch):
 
 @pytest.fixture
 def small_blocks(monkeypatch):
-    """16-token, 16-channel tiles and two token splits of the backward's grad-W and apply kernels, so
-    that the test sizes need several programs, loop trips, a program with two token blocks and masked
-    tails (tokens and channels)."""
+    """16-token, 16-channel tiles and two token splits of the backward's grad-W kernel, so that the
+    test sizes need several programs, loop trips, a program with two token blocks and masked tails
+    (tokens and channels)."""
     for kernel, tile in ops.TILES.items():
         monkeypatch.setitem(ops.TILES, kernel, dict(tile, BLOCK_T=16, BLOCK_C=16))
     monkeypatch.setattr(ops, "WEIGHT_GRAD_SPLITS", 2)
-    monkeypatch.setattr(ops, "APPLY_TOKEN_SPLITS", 2)
 
 
 def generator(seed):
@@ -157,10 +156,9 @@ def test_connection_pre_backward_matches_torch(residual, x_dtype, bf16_operands,
                                                      ("mhc", torch.float32, 37)])
 def test_connection_pre_backward_at_the_shipped_tiles_is_deterministic(residual, x_dtype, width, monkeypatch):
     """At C = 768 and an odd width with the shipped tiles (a partial token block; two token splits of
-    the grad-W and apply kernels, one of two blocks): the same bits twice, grad W included (its
-    partials are summed in a fixed order), and close to float64."""
+    the grad-W kernel, one of two blocks): the same bits twice, grad W included (its partials are
+    summed in a fixed order), and close to float64."""
     monkeypatch.setattr(ops, "WEIGHT_GRAD_SPLITS", 2)
-    monkeypatch.setattr(ops, "APPLY_TOKEN_SPLITS", 2)
     tokens = 2 * ops.TILES["pre_backward_weight_kernel"]["BLOCK_T"] + 1
     bf16_operands = x_dtype == torch.bfloat16
     variant, weight, scale, bias, perms, iters = packed_parameters(residual, width, seed=3)
@@ -171,7 +169,7 @@ def test_connection_pre_backward_at_the_shipped_tiles_is_deterministic(residual,
     runs = [connection_pre_backward(x, grad, grad_u, grad_h_post, weight, scale, bias, perms, z, rms_inv, variant,
                                     iters, bf16_operands) for _ in range(2)]
     assert ops._cdiv(tokens, ops.TILES["pre_backward_weight_kernel"]["BLOCK_T"]) == 3
-    assert ops._cdiv(tokens, ops.TILES["pre_backward_apply_kernel"]["BLOCK_T"]) >= 3
+    assert ops._cdiv(tokens, ops.TILES["pre_backward_grad_x_kernel"]["BLOCK_T"]) >= 3
     for first, second in zip(*runs):
         assert torch.equal(first, second)
     inputs64 = [t.detach().double().requires_grad_() for t in (x, weight, scale, bias)]
