@@ -152,8 +152,12 @@ def compiled(launch, compilations, cc=H200.cc):
     key = json.dumps([launch.kernel, [sorted(map(list, d.items())) for d in specialisation]], default=str)
     if key not in compilations:
         compilations[key] = compile_kernel(launch.kernel, specialisation, cc)
-        if "error" in compilations[key]:
-            raise RuntimeError(f"{launch.kernel} failed to compile: {compilations[key]['error']}")
+        resources = compilations[key]
+        if "error" in resources:
+            raise RuntimeError(f"{launch.kernel} failed to compile: {resources['error']}")
+        if resources["ctas_per_sm"] == 0:
+            raise RuntimeError(f"{launch.kernel} at its tile fits no CTA on an SM of sm_{cc} ({resources['registers']} "
+                               f"registers per thread, {resources['shared_bytes'] / 1024:.1f} KB of shared memory)")
     return compilations[key]
 
 
@@ -349,7 +353,11 @@ def main(argv=None):
         print(f"error: {machine.name} is sm_{machine.cc}; the model knows the SM limits of sm_"
               f"{' and sm_'.join(map(str, LIMITS))}", file=sys.stderr)
         sys.exit(2)
-    result = with_predictions(model(kernel_bytes=args.kernel_bytes, calibration=args.calibration, machine=machine))
+    try:
+        result = with_predictions(model(kernel_bytes=args.kernel_bytes, calibration=args.calibration, machine=machine))
+    except RuntimeError as e:  # a kernel that does not compile, or fits no CTA
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     a = result["agreement"]
     print(f"Predicted per launch at M ({M_BATCH * M_TIME:,} tokens, C = {WIDTH}, bf16 autocast) on {machine.name}, "
           f"sm_{machine.cc} ({machine.sms} SMs, L2 {machine.l2_bytes / 1e6:.0f} MB, copy "

@@ -94,6 +94,20 @@ def test_rank_correlation():
     assert math.isclose(latency.spearman([1, 2, 3], [1, 3, 2]), 0.5)
 
 
+def test_a_kernel_that_fits_no_cta_per_sm_is_an_error_not_a_profile(monkeypatch):
+    """A tile whose registers or shared memory leave no CTA per SM has no waves to predict: the tool
+    names the kernel and what it holds (the CLI prints it as a one-line error)."""
+    monkeypatch.setattr(latency, "jit_specialisation", lambda fn, args, constexprs: [dict(BLOCK_C=256)])
+    monkeypatch.setattr(latency, "compile_kernel", lambda kernel, specialisation, cc: dict(
+        resources(ctas_per_sm=0), shared_bytes=240 * 1024))
+    launch = SimpleNamespace(kernel="post_kernel", args=(), constexprs={})
+    with pytest.raises(RuntimeError, match=r"post_kernel at its tile fits no CTA on an SM of sm_90 .*240\.0 KB"):
+        latency.compiled(launch, {})
+    monkeypatch.setattr(latency, "compile_kernel", lambda kernel, specialisation, cc: dict(resources(),
+                                                                                         shared_bytes=1024))
+    assert latency.compiled(launch, {})["ctas_per_sm"] == 2
+
+
 def test_cli_refuses_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-m", "fused.tools.latency"], cwd=REPO, env=env, capture_output=True,
