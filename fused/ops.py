@@ -36,14 +36,14 @@ MIN_SINKHORN_ITERS = 4  # the Sinkhorn backward keeps four checkpoints
 # program) and warps: post and post_backward the fastest setting of `python -m
 # benchmarks.kernel_tiles --size M` on an H100 (docs/benchmarks.md); pre and the backward's two
 # kernels chosen on CPU with python -m fused.tools.latency and fused.tools.resources (pre and the
-# grad-x kernel: 16 tokens, so that the resident programs' tiles stay in L2 for their re-read; the
-# grad-x kernel: 128 channels per step, the fewest serial steps without spills), not yet timed on a
-# GPU. None spills registers on sm_80 or sm_90 (python -m fused.tools.resources). tl.dot needs 16
+# grad-x kernel: 16 tokens, so that the resident programs' tiles stay in L2 for their re-read; pre:
+# 4 warps, two CTAs per SM where 8 warps hold one under triton 3.6; the grad-x kernel: 128 channels
+# per step, the fewest serial steps without spills), not yet timed on a GPU. None spills registers on sm_80 or sm_90 (python -m fused.tools.resources). tl.dot needs 16
 # or more tokens and channels.
 # STAGES: how far ahead the software pipeline issues a loop's loads (cp.async into shared memory) in
 # pre's u loop and the grad-x kernel's loops; triton pipelines on its own only the loops that feed
 # tl.dot. Chosen so that no kernel loses a CTA per SM or spills; not yet timed on a GPU.
-TILES = {"pre_kernel": dict(BLOCK_T=16, BLOCK_C=64, num_warps=8, STAGES=2),
+TILES = {"pre_kernel": dict(BLOCK_T=16, BLOCK_C=64, num_warps=4, STAGES=2),
          "post_kernel": dict(BLOCK_T=4, BLOCK_C=256, num_warps=4),
          "post_backward_kernel": dict(BLOCK_T=8, BLOCK_C=128, num_warps=4),
          "pre_backward_grad_x_kernel": dict(BLOCK_T=16, BLOCK_C=128, num_warps=8, STAGES=2),
@@ -55,6 +55,8 @@ UNALIGNED_PRE_BLOCK_C = 32
 UNALIGNED_BACKWARD_BLOCK_C = 16
 # The grad-x kernel there spills at 4 warps (mhc and mhclite, sm_80 and sm_90).
 UNALIGNED_GRAD_X_TILE = dict(num_warps=8, STAGES=1)
+# pre spills at 4 warps at such a width and with fp32 operands (mhc and mhclite).
+SPILL_PRONE_PRE_NUM_WARPS = 8
 # fp32 x fp32 products (no bf16 autocast) need more registers: the grad-W kernel's spill at 32
 # tokens per step with bf16 streams, pre's at 64 channels per step under triton 3.6, and the grad-x
 # kernel's at 128 channels (with fp32 streams its staged tiles also overflow sm_80's shared memory).
@@ -207,6 +209,8 @@ def connection_pre(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
             tile["BLOCK_C"] = min(tile["BLOCK_C"], MHC_PRE_BLOCK_C)
         if not bf16_operands:
             tile["BLOCK_C"] = min(tile["BLOCK_C"], FP32_OPERANDS_PRE_BLOCK_C)
+        if x.shape[2] % 16 or not bf16_operands:
+            tile["num_warps"] = max(tile["num_warps"], SPILL_PRONE_PRE_NUM_WARPS)
         _launch("pre_kernel", (_cdiv(tokens, tile["BLOCK_T"]),), x.device, x, _weight_operand(weight, bf16_operands),
                 scale, bias, perms, u, h_pre, h_post, h_res, z, rms_inv, tokens, x.shape[2], RMS_EPS, **tile,
                 **_variant_constexprs(variant, weight, bf16_operands, sinkhorn_iters, x.device))
