@@ -38,8 +38,8 @@ MIN_SINKHORN_ITERS = 4  # the Sinkhorn backward keeps four checkpoints
 # kernels chosen on CPU with python -m fused.tools.latency and fused.tools.resources (pre and the
 # grad-x kernel: 16 tokens, so that the resident programs' tiles stay in L2 for their re-read; pre:
 # 4 warps, two CTAs per SM where 8 warps hold one under triton 3.6; the grad-x kernel: 128 channels
-# per step, the fewest serial steps without spills), not yet timed on a GPU. None spills registers on sm_80 or sm_90 (python -m fused.tools.resources). tl.dot needs 16
-# or more tokens and channels.
+# per step, the fewest serial steps without spills), not yet timed on a GPU. None spills registers
+# on sm_80 or sm_90 (python -m fused.tools.resources). tl.dot needs 16 or more tokens and channels.
 # STAGES: how far ahead the software pipeline issues a loop's loads (cp.async into shared memory) in
 # pre's u loop and the grad-x kernel's loops; triton pipelines on its own only the loops that feed
 # tl.dot. Chosen so that no kernel loses a CTA per SM or spills; not yet timed on a GPU.
