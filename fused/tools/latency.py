@@ -151,13 +151,13 @@ def compiled(launch, compilations, cc=H200.cc):
     specialisation = jit_specialisation(ops.kernel(launch.kernel), launch.args, launch.constexprs)
     key = json.dumps([launch.kernel, [sorted(map(list, d.items())) for d in specialisation]], default=str)
     if key not in compilations:
-        compilations[key] = compile_kernel(launch.kernel, specialisation, cc)
-        resources = compilations[key]
+        resources = compile_kernel(launch.kernel, specialisation, cc)
         if "error" in resources:
             raise RuntimeError(f"{launch.kernel} failed to compile: {resources['error']}")
         if resources["ctas_per_sm"] == 0:
             raise RuntimeError(f"{launch.kernel} at its tile fits no CTA on an SM of sm_{cc} ({resources['registers']} "
                                f"registers per thread, {resources['shared_bytes'] / 1024:.1f} KB of shared memory)")
+        compilations[key] = resources
     return compilations[key]
 
 
