@@ -1,7 +1,7 @@
 """The GPU check: is this code correct on this GPU, and how fast is it here? One command, in parts.
 
     python -m benchmarks.gpu_check                     # every part, on the GPU, at M
-    python -m benchmarks.gpu_check bench kernels       # some parts (run the others later: same --out)
+    python -m benchmarks.gpu_check fused               # some parts (run the others later: same --out)
     python -m benchmarks.gpu_check --device cpu --size tiny   # the CPU dry run at tiny shapes (CI runs it)
 
 Parts, in the order they run, with what each verifies and its minutes on one H100 at M with cold
@@ -14,9 +14,13 @@ caches (measured, docs/benchmarks.md; the CPU tests of the tests part were not t
                 without recompute, the fused kernels, bf16 streams, and both: time, peak memory, MFU
   train    4    20 steps of train.py per variant at M on random tokens, compiled block by block (the
                 first step's time is the cold compile); the trained H_res's row and column sums
-  kernels  1    each fused kernel alone (python -m benchmarks.kernels): GB/s from the counted bytes per
-                token against a device-to-device copy, beside the time python -m fused.tools.latency
-                predicts for this GPU, and the backward by its number of grad-W partials
+  fused    ?    should the fused kernels be this GPU's default? Their tests compiled here (every kernel
+                against residuals.py); each kernel alone (python -m benchmarks.kernels): GB/s from the
+                counted bytes per token against a device-to-device copy, beside the time python -m
+                fused.tools.latency predicts for this GPU; then 20 steps of train.py at M for mhclite on
+                the reference path, with the kernels, and with the kernels and bf16 streams: ms per step
+                and each step's loss against the reference path's. Yes where the kernels' step is faster
+                and no step's loss is more than {tolerance:g} off. Meant to fit a short GPU lease
   sharded  ?    train.py's sharded mode on this one GPU: mhclite at M under torchrun with --parallel=fsdp
                 (NCCL, fused AdamW on the sharded parameters, compiled block by block), then the same with
                 activation checkpointing; the steps' tokens/s and the last loss of each (not timed yet)
@@ -45,8 +49,8 @@ from residuals import capture_connections
 
 from .common import fmt
 
-PARTS = ("tests", "bench", "train", "kernels", "sharded")
-H100_MINUTES = {"tests": "3+", "bench": "8", "train": "4", "kernels": "1", "sharded": "?"}  # measured at M, cold caches
+PARTS = ("tests", "bench", "train", "fused", "sharded")
+H100_MINUTES = {"tests": "3+", "bench": "8", "train": "4", "fused": "?", "sharded": "?"}  # measured at M, cold caches
 # The sharded part's runs: (name, flags), both --parallel=fsdp on one process.
 SHARDED_RUNS = (("fsdp", []), ("fsdp + activation checkpointing", ["--activation_checkpointing=True"]))
 VARIANTS = ("res", "hc", "mhc", "mhclite")
@@ -56,6 +60,12 @@ BENCH_RUNS = (("reference", []),
               ("bf16 streams", ["--recompute", "off", "--stream_dtype", "bfloat16"]),
               ("fused + bf16 streams", ["--recompute", "off", "--fused_connections", "on",
                                         "--stream_dtype", "bfloat16"]))
+# The fused part's training runs of mhclite: (name, flags); every one's losses against the reference's.
+FUSED_RUNS = (("reference", []), ("fused", ["--fused_connections=True"]),
+              ("fused + bf16 streams", ["--fused_connections=True", "--stream_dtype=bfloat16"]))
+# The most any step's train loss of the fused run (fp32 streams) may differ from the reference path's
+# for the kernels to be the default: the two round differently, by far less (docs/benchmarks.md).
+FUSED_LOSS_TOLERANCE = 2e-3
 GPT2_TOKENS = 50257
 SPLIT_TOKENS = {"train": 4_000_000, "val": 400_000}
 COLSUM_SEQUENCES = 4  # of the model's block_size, for the row/column-sum check
@@ -99,12 +109,26 @@ def part_commands(part, args):
     if part == "train":
         return [(f"train.py, {residual}", python("train.py", *train_flags(args, residual, f"train-{residual}")), {})
                 for residual in VARIANTS]
+    if part == "fused":
+        kernel_tests = (["tests/fused/test_fused_ops.py", "tests/test_cuda.py"] if at_m else
+                        ["tests/fused/test_fused_ops.py::test_kernels_are_interpreted_on_cpu_and_compiled_on_cuda"])
+        workers = ["-n", "4"] if at_m else []
+        return [("kernel tests", python("-m", "pytest", "-q", *workers, "-m", "fused", *kernel_tests), {}),
+                *kernel_commands(args, shape, fused_env),
+                *[(f"train.py, mhclite, {name}", python("train.py", *train_flags(args, "mhclite", fused_dir(name)),
+                                                        *flags), fused_env if flags else {})
+                  for name, flags in FUSED_RUNS]]
     if part == "sharded":
         torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train.py"]
         return [(f"train.py under torchrun, {name}", python(
             *torchrun, *train_flags(args, "mhclite", sharded_dir(name)), "--parallel=fsdp", *flags), {})
             for name, flags in SHARDED_RUNS]
-    # The predictions for this GPU and its triton (compiled, never interpreted), then the times beside them.
+    raise ValueError(f"unknown part {part}")
+
+
+def kernel_commands(args, shape, fused_env):
+    """The predictions for this GPU and its triton (compiled, never interpreted), then each kernel's
+    time beside them."""
     predictions = os.path.join(args.out, "predicted_times.json")
     machine = "cuda" if args.device == "cuda" else "h200"
     return [("fused.tools.latency", python("-m", "fused.tools.latency", "--machine", machine, "--predictions",
@@ -127,6 +151,10 @@ def train_flags(args, residual, run_name):
             *size_flags]
 
 
+def fused_dir(name):
+    return "fused-" + name.replace(" + ", "-").replace(" ", "_")
+
+
 def sharded_dir(name):
     return "sharded-" + name.replace(" + ", "-").replace(" ", "_")
 
@@ -138,9 +166,10 @@ def bench_json(out, name):
 def run_part(part, args):
     """Runs a part's commands (all of them, even after one fails), logging to OUT/<part>.log; returns
     (status, seconds)."""
-    if part in ("train", "sharded"):
-        runs = ([f"train-{residual}" for residual in VARIANTS] if part == "train" else
-                [sharded_dir(name) for name, _ in SHARDED_RUNS])
+    if part in ("train", "fused", "sharded"):
+        runs = {"train": [f"train-{residual}" for residual in VARIANTS],
+                "fused": [fused_dir(name) for name, _ in FUSED_RUNS],
+                "sharded": [sharded_dir(name) for name, _ in SHARDED_RUNS]}[part]
         for run in runs:  # every run starts afresh
             shutil.rmtree(os.path.join(args.out, run), ignore_errors=True)
         write_random_data(os.path.join(args.out, "data"))
@@ -191,12 +220,20 @@ def read_json(path):
         return json.load(f)
 
 
-def training_throughput(run_dir):
-    """Median tokens/s over the logged windows after the first (which compiles)."""
+def metrics(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    windows = [r["tokens_per_s"] for r in records if r.get("tokens_per_s") is not None]
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def median_window(run_dir, key="tokens_per_s"):
+    """Median of a timing (tokens/s, ms per step) over the logged windows after the first (which compiles)."""
+    windows = [r[key] for r in metrics(run_dir) if r.get(key) is not None]
     return statistics.median(windows[1:] or windows) if windows else None
+
+
+def train_losses(run_dir):
+    """{step: train loss} of every step."""
+    return {r["step"]: r["train_loss"] for r in metrics(run_dir) if "train_loss" in r}
 
 
 @torch.no_grad()
@@ -241,7 +278,7 @@ def train_result(out, device):
         if os.path.isfile(os.path.join(run_dir, "done")):
             error = stochasticity_error(run_dir, device)
             sums = f", max abs(sum - 1) {error:.1e}" if error is not None else ""
-            cells.append(f"{residual} {fmt(training_throughput(run_dir), ',.0f')} tok/s{sums}")
+            cells.append(f"{residual} {fmt(median_window(run_dir), ',.0f')} tok/s{sums}")
     return "; ".join(cells) or "-"
 
 
@@ -251,10 +288,49 @@ def sharded_result(out):
     for name, _ in SHARDED_RUNS:
         run_dir = os.path.join(out, sharded_dir(name))
         if os.path.isfile(os.path.join(run_dir, "done")):
-            with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
-                losses = [r["train_loss"] for r in map(json.loads, f) if "train_loss" in r]
-            cells.append(f"{name} {fmt(training_throughput(run_dir), ',.0f')} tok/s, last loss {losses[-1]:.4f}")
+            losses = list(train_losses(run_dir).values())
+            cells.append(f"{name} {fmt(median_window(run_dir), ',.0f')} tok/s, last loss {losses[-1]:.4f}")
     return "; ".join(cells) or "-"
+
+
+def fused_training(out):
+    """{run name: dict(ms per step, max |train loss - the reference's| over the same steps, the
+    connections' path as train.py logged it)} of the fused part's finished runs."""
+    runs = {name: os.path.join(out, fused_dir(name)) for name, _ in FUSED_RUNS}
+    done = {name: run for name, run in runs.items() if os.path.isfile(os.path.join(run, "done"))}
+    if "reference" not in done:
+        return {}
+    reference = train_losses(done["reference"])
+    result = {}
+    for name, run in done.items():
+        losses = train_losses(run)
+        if set(losses) != set(reference):
+            raise ValueError(f"{run} logged steps {sorted(losses)}, the reference {sorted(reference)}")
+        result[name] = dict(ms=median_window(run, "step_ms"),
+                            path=read_json(os.path.join(run, "config.json"))["connections"],
+                            difference=max(abs(losses[step] - reference[step]) for step in reference))
+    return result
+
+
+def fused_verdict(training):
+    """Whether the fused kernels should be the default here: their step (fp32 streams) faster than the
+    reference path's and every loss within FUSED_LOSS_TOLERANCE of it."""
+    fused = training.get("fused")
+    if fused is None:
+        return "no fused training run"
+    if fused["path"]["path"] != "fused":
+        return f"no fused kernels ran: {fused['path']['why']}"
+    faster, close = fused["ms"] < training["reference"]["ms"], fused["difference"] <= FUSED_LOSS_TOLERANCE
+    reasons = [f"{'faster' if faster else 'slower'} ({fused['ms'] / training['reference']['ms']:.2f} x the reference "
+               "path)", f"loss within {FUSED_LOSS_TOLERANCE:g}" if close else f"a loss {fused['difference']:.1e} off"]
+    return f"{'yes' if faster and close else 'no'}: {', '.join(reasons)}"
+
+
+def fused_result(out):
+    training = fused_training(out)
+    steps = "; ".join(f"{name} {fmt(run['ms'], '.1f')} ms/step ({run['path']['path']}), max abs(loss - reference) "
+                      f"{run['difference']:.1e}" for name, run in training.items())
+    return f"{kernels_result(out)}; {steps or 'no training run finished'}; the default here: {fused_verdict(training)}"
 
 
 def kernels_result(out):
@@ -279,7 +355,7 @@ def kernels_result(out):
 def summary(args, parts):
     device = torch.device(args.device)
     results = {"tests": lambda: tests_result(args.out), "bench": lambda: bench_result(args.out),
-               "train": lambda: train_result(args.out, device), "kernels": lambda: kernels_result(args.out),
+               "train": lambda: train_result(args.out, device), "fused": lambda: fused_result(args.out),
                "sharded": lambda: sharded_result(args.out)}
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU dry run"
     lines = [f"## GPU check: {name}, torch {torch.__version__} (--device {args.device} --size {args.size}, "
@@ -301,7 +377,8 @@ def summary(args, parts):
 
 
 def parse_args(argv):
-    parser = OneLineParser(prog="python -m benchmarks.gpu_check", description=__doc__,
+    parser = OneLineParser(prog="python -m benchmarks.gpu_check",
+                           description=__doc__.format(tolerance=FUSED_LOSS_TOLERANCE),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("parts", nargs="*", metavar="PART", help=f"some of {', '.join(PARTS)} (default: all)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: the dry run (--size tiny)")

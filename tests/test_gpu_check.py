@@ -30,10 +30,10 @@ def test_cpu_dry_run_runs_every_part_and_the_summary_comes_last(tmp_path, capsys
     code, printed = run_check(["bench", "tests"], out, capsys)
     assert code == 0, printed
     statuses = {part: row[1] for part, row in summary_rows((out / "summary.md").read_text()).items()}
-    assert statuses == {"tests": "ok", "bench": "ok", "train": "not run", "kernels": "not run", "sharded": "not run"}
+    assert statuses == {"tests": "ok", "bench": "ok", "train": "not run", "fused": "not run", "sharded": "not run"}
     assert printed.index("gpu_check: tests") < printed.index("gpu_check: bench")  # the parts' order
 
-    code, printed = run_check(["train", "kernels", "sharded"], out, capsys)
+    code, printed = run_check(["train", "fused", "sharded"], out, capsys)
     summary = (out / "summary.md").read_text()
     assert printed.rstrip().endswith(summary.rstrip())  # printed last
     assert code == 0, printed
@@ -55,9 +55,18 @@ def test_cpu_dry_run_runs_every_part_and_the_summary_comes_last(tmp_path, capsys
     # the trained mhclite's H_res is exact; hc's is not doubly stochastic at all
     errors = {cell.split()[0]: cell.split()[-1] for cell in rows["train"][4].split("; ") if "sum" in cell}
     assert float(errors["mhclite"]) < 1e-6 < float(errors["hc"])
-    assert rows["kernels"][4].startswith("x copy, us measured / predicted at M: hc float32 ")
+    assert rows["fused"][4].startswith("x copy, us measured / predicted at M: hc float32 ")
     # every kernel's prediction (python -m fused.tools.latency) is printed beside its time
     assert all(row["predicted_us_at_m"] > 0 for row in json.loads((out / "kernels.json").read_text())["kernels"]["rows"])
+    # the fused part's training runs, each against the reference's losses; on CPU train.py takes the
+    # reference path whatever fused_connections says, so only the bf16 streams move a loss
+    training = gpu_check.fused_training(str(out))
+    assert list(training) == [name for name, _ in gpu_check.FUSED_RUNS]
+    assert all(f"{name} " in rows["fused"][4] for name in training)
+    assert "connections: mhclite reference (fused_connections=True but:" in (out / "fused.log").read_text()
+    assert training["fused"]["difference"] == 0.0 < training["fused + bf16 streams"]["difference"] < 1e-2
+    assert all(run["path"]["path"] == "reference" for run in training.values())
+    assert "; the default here: no fused kernels ran: fused_connections=True but: " in rows["fused"][4]
     # the sharded part: one process under torchrun, sharded, with and without activation checkpointing,
     # which recomputes the same forward: the same losses
     for name, _ in gpu_check.SHARDED_RUNS:
@@ -67,6 +76,20 @@ def test_cpu_dry_run_runs_every_part_and_the_summary_comes_last(tmp_path, capsys
     losses = [[r["train_loss"] for r in map(json.loads, open(out / gpu_check.sharded_dir(name) / "metrics.jsonl"))
                if "train_loss" in r] for name, _ in gpu_check.SHARDED_RUNS]
     assert losses[0] == losses[1] and len(losses[0]) == 4  # every step of the dry run
+
+
+@pytest.mark.parametrize("fused_ms, difference, path, verdict", [
+    (50.0, 1e-4, "fused", "yes: faster (0.83 x the reference path), loss within 0.002"),
+    (70.0, 1e-4, "fused", "no: slower (1.17 x the reference path), loss within 0.002"),
+    (50.0, 3e-3, "fused", "no: faster (0.83 x the reference path), a loss 3.0e-03 off"),
+    (50.0, 1e-4, "reference", "no fused kernels ran: why"),
+])
+def test_the_kernels_are_the_default_only_where_they_ran_faster_and_as_accurate(fused_ms, difference, path, verdict):
+    def run(ms, difference, path):
+        return dict(ms=ms, difference=difference, path=dict(path=path, why="why"))
+    training = {"reference": run(60.0, 0.0, "reference"), "fused": run(fused_ms, difference, path),
+                "fused + bf16 streams": run(40.0, 1e-2, "fused")}
+    assert gpu_check.fused_verdict(training) == verdict
 
 
 def test_help_says_what_each_part_verifies(capsys):
@@ -80,7 +103,7 @@ def test_help_says_what_each_part_verifies(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["benchmark"], "error: unknown part 'benchmark'; valid: tests bench train kernels"),
+    (["benchmark"], "error: unknown part 'benchmark'; valid: tests bench train fused"),
     (["--device", "cpu", "--size", "M"], "error: the CPU dry run is --device cpu --size tiny"),
     (["--size", "XL"], "error: argument --size: invalid choice: 'XL'"),
 ])
