@@ -17,10 +17,11 @@ caches (measured, docs/benchmarks.md; the CPU tests of the tests part were not t
   fused    ?    should the fused kernels be this GPU's default? Their tests compiled here (every kernel
                 against residuals.py); each kernel alone (python -m benchmarks.kernels): GB/s from the
                 counted bytes per token against a device-to-device copy, beside the time python -m
-                fused.tools.latency predicts for this GPU; then 20 steps of train.py at M for mhclite on
-                the reference path, with the kernels, and with the kernels and bf16 streams: ms per step
-                and each step's loss against the reference path's. Yes where the kernels' step is faster
-                and no step's loss is more than {tolerance:g} off. Meant to fit a short GPU lease
+                fused.tools.latency predicts for this GPU; then 20 steps of train.py at M for res, and for
+                mhclite on the reference path, with the kernels, and with the kernels and bf16 streams:
+                ms per step, x res, and each step's loss against the reference path's. Yes where the
+                kernels' step is faster and no step's loss is more than {tolerance:g} off. Meant to fit
+                a short GPU lease
   sharded  ?    train.py's sharded mode on this one GPU: mhclite at M under torchrun with --parallel=fsdp
                 (NCCL, fused AdamW on the sharded parameters, compiled block by block), then the same with
                 activation checkpointing; the steps' tokens/s and the last loss of each (not timed yet)
@@ -60,9 +61,10 @@ BENCH_RUNS = (("reference", []),
               ("bf16 streams", ["--recompute", "off", "--stream_dtype", "bfloat16"]),
               ("fused + bf16 streams", ["--recompute", "off", "--fused_connections", "on",
                                         "--stream_dtype", "bfloat16"]))
-# The fused part's training runs of mhclite: (name, flags); every one's losses against the reference's.
-FUSED_RUNS = (("reference", []), ("fused", ["--fused_connections=True"]),
-              ("fused + bf16 streams", ["--fused_connections=True", "--stream_dtype=bfloat16"]))
+# The fused part's training runs: (name, variant, flags); res for the step's ratio, and mhclite, whose
+# losses are compared with its reference path's.
+FUSED_RUNS = (("res", "res", []), ("reference", "mhclite", []), ("fused", "mhclite", ["--fused_connections=True"]),
+              ("fused + bf16 streams", "mhclite", ["--fused_connections=True", "--stream_dtype=bfloat16"]))
 # The most any step's train loss of the fused run (fp32 streams) may differ from the reference path's
 # for the kernels to be the default: the two round differently, by far less (docs/benchmarks.md).
 FUSED_LOSS_TOLERANCE = 2e-3
@@ -115,9 +117,8 @@ def part_commands(part, args):
         workers = ["-n", "4"] if at_m else []
         return [("kernel tests", python("-m", "pytest", "-q", *workers, "-m", "fused", *kernel_tests), {}),
                 *kernel_commands(args, shape, fused_env),
-                *[(f"train.py, mhclite, {name}", python("train.py", *train_flags(args, "mhclite", fused_dir(name)),
-                                                        *flags), fused_env if flags else {})
-                  for name, flags in FUSED_RUNS]]
+                *[(f"train.py, {name}", python("train.py", *train_flags(args, residual, fused_dir(name)), *flags),
+                   fused_env if flags else {}) for name, residual, flags in FUSED_RUNS]]
     if part == "sharded":
         torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train.py"]
         return [(f"train.py under torchrun, {name}", python(
@@ -168,7 +169,7 @@ def run_part(part, args):
     (status, seconds)."""
     if part in ("train", "fused", "sharded"):
         runs = {"train": [f"train-{residual}" for residual in VARIANTS],
-                "fused": [fused_dir(name) for name, _ in FUSED_RUNS],
+                "fused": [fused_dir(name) for name, _, _ in FUSED_RUNS],
                 "sharded": [sharded_dir(name) for name, _ in SHARDED_RUNS]}[part]
         for run in runs:  # every run starts afresh
             shutil.rmtree(os.path.join(args.out, run), ignore_errors=True)
@@ -294,21 +295,23 @@ def sharded_result(out):
 
 
 def fused_training(out):
-    """{run name: dict(ms per step, max |train loss - the reference's| over the same steps, the
-    connections' path as train.py logged it)} of the fused part's finished runs."""
-    runs = {name: os.path.join(out, fused_dir(name)) for name, _ in FUSED_RUNS}
-    done = {name: run for name, run in runs.items() if os.path.isfile(os.path.join(run, "done"))}
-    if "reference" not in done:
-        return {}
-    reference = train_losses(done["reference"])
+    """{run name: dict(ms per step, x res, the connections' path as train.py logged it, and for
+    mhclite the largest |train loss - its reference path's| over the same steps)} of the fused
+    part's finished runs."""
+    done = {name: (residual, os.path.join(out, fused_dir(name))) for name, residual, _ in FUSED_RUNS
+            if os.path.isfile(os.path.join(out, fused_dir(name), "done"))}
+    reference = train_losses(done["reference"][1]) if "reference" in done else None
+    res_ms = median_window(done["res"][1], "step_ms") if "res" in done else None
     result = {}
-    for name, run in done.items():
-        losses = train_losses(run)
-        if set(losses) != set(reference):
-            raise ValueError(f"{run} logged steps {sorted(losses)}, the reference {sorted(reference)}")
-        result[name] = dict(ms=median_window(run, "step_ms"),
-                            path=read_json(os.path.join(run, "config.json"))["connections"],
-                            difference=max(abs(losses[step] - reference[step]) for step in reference))
+    for name, (residual, run) in done.items():
+        ms = median_window(run, "step_ms")
+        result[name] = dict(ms=ms, x_res=ms / res_ms if res_ms else None,
+                            path=read_json(os.path.join(run, "config.json"))["connections"])
+        if residual == "mhclite" and reference is not None:
+            losses = train_losses(run)
+            if set(losses) != set(reference):
+                raise ValueError(f"{run} logged steps {sorted(losses)}, the reference {sorted(reference)}")
+            result[name]["difference"] = max(abs(losses[step] - reference[step]) for step in reference)
     return result
 
 
@@ -316,8 +319,8 @@ def fused_verdict(training):
     """Whether the fused kernels should be the default here: their step (fp32 streams) faster than the
     reference path's and every loss within FUSED_LOSS_TOLERANCE of it."""
     fused = training.get("fused")
-    if fused is None:
-        return "no fused training run"
+    if fused is None or "reference" not in training:
+        return "no fused and reference training runs"
     if fused["path"]["path"] != "fused":
         return f"no fused kernels ran: {fused['path']['why']}"
     faster, close = fused["ms"] < training["reference"]["ms"], fused["difference"] <= FUSED_LOSS_TOLERANCE
@@ -328,8 +331,10 @@ def fused_verdict(training):
 
 def fused_result(out):
     training = fused_training(out)
-    steps = "; ".join(f"{name} {fmt(run['ms'], '.1f')} ms/step ({run['path']['path']}), max abs(loss - reference) "
-                      f"{run['difference']:.1e}" for name, run in training.items())
+    steps = "; ".join(
+        f"{name} {fmt(run['ms'], '.1f')} ms/step, {fmt(run['x_res'], '.2f')} x res ({run['path']['path']})"
+        + (f", max abs(loss - reference) {run['difference']:.1e}" if "difference" in run else "")
+        for name, run in training.items())
     return f"{kernels_result(out)}; {steps or 'no training run finished'}; the default here: {fused_verdict(training)}"
 
 

@@ -61,11 +61,12 @@ def test_cpu_dry_run_runs_every_part_and_the_summary_comes_last(tmp_path, capsys
     # the fused part's training runs, each against the reference's losses; on CPU train.py takes the
     # reference path whatever fused_connections says, so only the bf16 streams move a loss
     training = gpu_check.fused_training(str(out))
-    assert list(training) == [name for name, _ in gpu_check.FUSED_RUNS]
+    assert list(training) == [name for name, _, _ in gpu_check.FUSED_RUNS]
     assert all(f"{name} " in rows["fused"][4] for name in training)
     assert "connections: mhclite reference (fused_connections=True but:" in (out / "fused.log").read_text()
+    assert "difference" not in training["res"] and training["reference"]["difference"] == 0.0
     assert training["fused"]["difference"] == 0.0 < training["fused + bf16 streams"]["difference"] < 1e-2
-    assert all(run["path"]["path"] == "reference" for run in training.values())
+    assert all(run["path"]["path"] == "reference" and run["x_res"] > 0 for run in training.values())
     assert "; the default here: no fused kernels ran: fused_connections=True but: " in rows["fused"][4]
     # the sharded part: one process under torchrun, sharded, with and without activation checkpointing,
     # which recomputes the same forward: the same losses
@@ -86,7 +87,7 @@ def test_cpu_dry_run_runs_every_part_and_the_summary_comes_last(tmp_path, capsys
 ])
 def test_the_kernels_are_the_default_only_where_they_ran_faster_and_as_accurate(fused_ms, difference, path, verdict):
     def run(ms, difference, path):
-        return dict(ms=ms, difference=difference, path=dict(path=path, why="why"))
+        return dict(ms=ms, x_res=ms / 30.0, difference=difference, path=dict(path=path, why="why"))
     training = {"reference": run(60.0, 0.0, "reference"), "fused": run(fused_ms, difference, path),
                 "fused + bf16 streams": run(40.0, 1e-2, "fused")}
     assert gpu_check.fused_verdict(training) == verdict
