@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from devices import synchronize
 from fused.tools.tables import fmt, markdown_table  # noqa: F401 (the benchmarks import them from here)
-from model import GPT, GPTConfig, model_shape
+from model import GPT, STREAM_DTYPES, GPTConfig, model_shape
 from residuals import RESIDUALS
 
 HC_FAMILY = ("hc", "mhc", "mhclite")
@@ -156,6 +156,14 @@ SHARED_FLAGS = {
     "--warmup": dict(type=int, default=3, help="unmeasured rounds first"),
     "--seed": dict(type=int, default=0, help="of the models' init and the random data"),
 }
+
+
+def stream_dtype_list(text):
+    """The stream dtypes of a comma-separated --stream_dtypes (or raises BenchError)."""
+    dtypes = [d.strip() for d in text.split(",") if d.strip()]
+    if not dtypes or any(d not in STREAM_DTYPES for d in dtypes):
+        raise BenchError(f"--stream_dtypes must name some of {', '.join(STREAM_DTYPES)}, got '{text}'")
+    return dtypes
 
 
 def add_shared_flag(parser, flag):

@@ -17,11 +17,12 @@ caches (measured, docs/benchmarks.md; the CPU tests of the tests part were not t
   fused    ?    should the fused kernels be this GPU's default? Their tests compiled here (every kernel
                 against residuals.py); each kernel alone (python -m benchmarks.kernels): GB/s from the
                 counted bytes per token against a device-to-device copy, beside the time python -m
-                fused.tools.latency predicts for this GPU; then 20 steps of train.py at M for res, and for
-                mhclite on the reference path, with the kernels, and with the kernels and bf16 streams:
-                ms per step, x res, and each step's loss against the reference path's. Yes where the
-                kernels' step is faster and no step's loss is more than {tolerance:g} off. Meant to fit
-                a short GPU lease
+                fused.tools.latency predicts for this GPU; where Nsight Compute reads this GPU's counters
+                (python -m benchmarks.kernel_counters), each kernel's DRAM and L2 bytes beside the CPU
+                proxies'; then 20 steps of train.py at M for res, and for mhclite on the reference path,
+                with the kernels, and with the kernels and bf16 streams: ms per step, x res, and each
+                step's loss against the reference path's. Yes where the kernels' step is faster and no
+                step's loss is more than {tolerance:g} off. Meant to fit a short GPU lease
   sharded  ?    train.py's sharded mode on this one GPU: mhclite at M under torchrun with --parallel=fsdp
                 (NCCL, fused AdamW on the sharded parameters, compiled block by block), then the same with
                 activation checkpointing; the steps' tokens/s and the last loss of each (not timed yet)
@@ -71,7 +72,8 @@ FUSED_LOSS_TOLERANCE = 2e-3
 GPT2_TOKENS = 50257
 SPLIT_TOKENS = {"train": 4_000_000, "val": 400_000}
 COLSUM_SEQUENCES = 4  # of the model's block_size, for the row/column-sum check
-DRY_RUN = ["--batch_size", "1", "--block_size", "16", "--steps", "1", "--warmup", "0"]  # the fewest kernel programs
+DRY_RUN_SHAPE = ["--batch_size", "1", "--block_size", "16"]  # the fewest kernel programs
+DRY_RUN = [*DRY_RUN_SHAPE, "--steps", "1", "--warmup", "0"]
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -129,15 +131,20 @@ def part_commands(part, args):
 
 def kernel_commands(args, shape, fused_env):
     """The predictions for this GPU and its triton (compiled, never interpreted), then each kernel's
-    time beside them."""
+    time beside them, then its hardware counters beside the proxies."""
     predictions = os.path.join(args.out, "predicted_times.json")
     machine = "cuda" if args.device == "cuda" else "h200"
+    counted_shape = [] if args.size == "M" else DRY_RUN_SHAPE
     return [("fused.tools.latency", python("-m", "fused.tools.latency", "--machine", machine, "--predictions",
                                            predictions, "--json", os.path.join(args.out, "latency.json")),
              {"TRITON_INTERPRET": "0"}),
             ("benchmarks.kernels", python("-m", "benchmarks.kernels", "--size", args.size, "--device", args.device,
                                           *shape, "--predicted_times", predictions,
-                                          "--json", os.path.join(args.out, "kernels.json")), fused_env)]
+                                          "--json", os.path.join(args.out, "kernels.json")), fused_env),
+            ("benchmarks.kernel_counters", python("-m", "benchmarks.kernel_counters", "--size", args.size, "--device",
+                                                  args.device, *counted_shape, "--latency",
+                                                  os.path.join(args.out, "latency.json"),
+                                                  "--json", os.path.join(args.out, "counters.json")), fused_env)]
 
 
 def train_flags(args, residual, run_name):
@@ -329,13 +336,26 @@ def fused_verdict(training):
     return f"{'yes' if faster and close else 'no'}: {', '.join(reasons)}"
 
 
+def counters_result(out):
+    """Each kernel's DRAM bytes, read by ncu, over the L2 model's, per stream dtype (mhclite)."""
+    result = read_json(os.path.join(out, "counters.json"))
+    if not result:
+        return "no hardware counters (benchmarks.kernel_counters: fused.log says why)"
+    by_dtype = {}
+    for row in result["rows"]:
+        by_dtype.setdefault(row["stream_dtype"], []).append(
+            f"{row['kernel'].removesuffix('_kernel')} {fmt(row['dram_over_predicted'], '.2f')}")
+    return "DRAM measured / L2 model: " + "; ".join(f"{dtype} {', '.join(cells)}" for dtype, cells in by_dtype.items())
+
+
 def fused_result(out):
     training = fused_training(out)
     steps = "; ".join(
         f"{name} {fmt(run['ms'], '.1f')} ms/step, {fmt(run['x_res'], '.2f')} x res ({run['path']['path']})"
         + (f", max abs(loss - reference) {run['difference']:.1e}" if "difference" in run else "")
         for name, run in training.items())
-    return f"{kernels_result(out)}; {steps or 'no training run finished'}; the default here: {fused_verdict(training)}"
+    return (f"{kernels_result(out)}; {counters_result(out)}; {steps or 'no training run finished'}; the default "
+            f"here: {fused_verdict(training)}")
 
 
 def kernels_result(out):

@@ -22,7 +22,7 @@ from fused import ops
 from fused.tools.launches import connection_launches
 from model import STREAM_DTYPES
 
-from .common import BenchError, add_shared_flag, environment, fmt, markdown_table, write_json
+from .common import BenchError, add_shared_flag, environment, fmt, markdown_table, stream_dtype_list, write_json
 from .kernels import DRY_RUN_NOTE, time_alone
 from .kernels import resolve as resolve_kernel_flags
 
@@ -180,10 +180,8 @@ def parse_args(argv):
 def resolve(args):
     default_json = args.json is None
     resolve_kernel_flags(args)
-    args.stream_dtypes = [d.strip() for d in args.stream_dtypes.split(",") if d.strip()]
+    args.stream_dtypes = stream_dtype_list(args.stream_dtypes)
     args.kernel_list = [k.strip() for k in args.kernels.split(",") if k.strip()]
-    if not args.stream_dtypes or any(d not in STREAM_DTYPES for d in args.stream_dtypes):
-        raise BenchError(f"--stream_dtypes must name some of {', '.join(STREAM_DTYPES)}, got '{args.stream_dtypes}'")
     if not args.kernel_list or any(k not in SWEEP for k in args.kernel_list):
         raise BenchError(f"--kernels must name some of {', '.join(SWEEP)}, got '{args.kernels}'")
     if default_json:

@@ -56,6 +56,8 @@ def test_cpu_dry_run_runs_every_part_and_the_summary_comes_last(tmp_path, capsys
     errors = {cell.split()[0]: cell.split()[-1] for cell in rows["train"][4].split("; ") if "sum" in cell}
     assert float(errors["mhclite"]) < 1e-6 < float(errors["hc"])
     assert rows["fused"][4].startswith("x copy, us measured / predicted at M: hc float32 ")
+    assert "; no hardware counters (benchmarks.kernel_counters: fused.log says why); " in rows["fused"][4]
+    assert "skipped: no hardware counters here: needs a CUDA GPU and ncu" in (out / "fused.log").read_text()
     # every kernel's prediction (python -m fused.tools.latency) is printed beside its time
     assert all(row["predicted_us_at_m"] > 0 for row in json.loads((out / "kernels.json").read_text())["kernels"]["rows"])
     # the fused part's training runs, each against the reference's losses; on CPU train.py takes the
