@@ -50,7 +50,7 @@ ALWAYS_KNOWN = ("launch__",)
 UNIT_SCALE = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "nsecond": 1e-9, "usecond": 1e-6,
               "msecond": 1e-3, "second": 1}
 # What ncu prints where it may not read this GPU's counters.
-NO_COUNTERS = ("ERR_NVGPUCTRPERM", "LibraryNotLoaded", "Failed to initialize the profiler", "not supported")
+NO_COUNTERS = ("ERR_NVGPUCTRPERM", "LibraryNotLoaded", "Failed to initialize the profiler")
 REPLAYS = 2  # each launch replayed twice: the first compiles it, ncu's reading of the second is kept
 
 
@@ -86,8 +86,9 @@ def replay_launches(args, device):
 
 
 def find_ncu():
-    found = shutil.which("ncu") or sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu"))
-    return found if isinstance(found, str) else (found[-1] if found else None)
+    """ncu on the PATH, else the newest under /opt/nvidia (where the GPU machines' image keeps it)."""
+    installed = sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu"))
+    return shutil.which("ncu") or (installed[-1] if installed else None)
 
 
 def known_metrics(query_output):
