@@ -7,5 +7,6 @@
     python -m benchmarks.memory               # memory per GPU by size, parallel mode and checkpointing
     python -m benchmarks.checkpoint_cost      # seconds and bytes of a checkpoint save and load
     python -m benchmarks.kernels              # each fused kernel alone (GPU)
+    python -m benchmarks.kernel_counters      # each fused kernel's hardware counters (GPU, Nsight Compute)
     python -m benchmarks.gpu_check            # tests, step benchmark, training and fused kernels on a GPU
 """

@@ -1,7 +1,7 @@
 """The GPU check: is this code correct on this GPU, and how fast is it here? One command, in parts.
 
     python -m benchmarks.gpu_check                     # every part, on the GPU, at M
-    python -m benchmarks.gpu_check fused               # some parts (run the others later: same --out)
+    python -m benchmarks.gpu_check fused kernels       # some parts (run the others later: same --out)
     python -m benchmarks.gpu_check --device cpu --size tiny   # the CPU dry run at tiny shapes (CI runs it)
 
 Parts, in the order they run, with what each verifies and its minutes on one H100 at M with cold
@@ -15,14 +15,14 @@ caches (measured, docs/benchmarks.md; the CPU tests of the tests part were not t
   train    4    20 steps of train.py per variant at M on random tokens, compiled block by block (the
                 first step's time is the cold compile); the trained H_res's row and column sums
   fused    ?    should the fused kernels be this GPU's default? Their tests compiled here (every kernel
-                against residuals.py); each kernel alone (python -m benchmarks.kernels): GB/s from the
-                counted bytes per token against a device-to-device copy, beside the time python -m
-                fused.tools.latency predicts for this GPU; where Nsight Compute reads this GPU's counters
-                (python -m benchmarks.kernel_counters), each kernel's DRAM and L2 bytes beside the CPU
-                proxies'; then 20 steps of train.py at M for res, and for mhclite on the reference path,
-                with the kernels, and with the kernels and bf16 streams: ms per step, x res, and each
-                step's loss against the reference path's. Yes where the kernels' step is faster and no
-                step's loss is more than {tolerance:g} off. Meant to fit a short GPU lease
+                against residuals.py), then 20 steps of train.py at M for res, and for mhclite on the
+                reference path, with the kernels, and with the kernels and bf16 streams: ms per step, x
+                res, and each step's loss against the reference path's. Yes where the kernels' step is
+                faster and no step's loss is more than {tolerance:g} off
+  kernels  1+   each fused kernel alone (python -m benchmarks.kernels): GB/s from the counted bytes per
+                token against a device-to-device copy, beside the time python -m fused.tools.latency
+                predicts for this GPU; where Nsight Compute reads this GPU's counters (python -m
+                benchmarks.kernel_counters), each kernel's DRAM and L2 bytes beside the CPU proxies'
   sharded  ?    train.py's sharded mode on this one GPU: mhclite at M under torchrun with --parallel=fsdp
                 (NCCL, fused AdamW on the sharded parameters, compiled block by block), then the same with
                 activation checkpointing; the steps' tokens/s and the last loss of each (not timed yet)
@@ -51,8 +51,9 @@ from residuals import capture_connections
 
 from .common import fmt
 
-PARTS = ("tests", "bench", "train", "fused", "sharded")
-H100_MINUTES = {"tests": "3+", "bench": "8", "train": "4", "fused": "?", "sharded": "?"}  # measured at M, cold caches
+PARTS = ("tests", "bench", "train", "fused", "kernels", "sharded")
+# measured at M, cold caches; kernels: before its counters were added
+H100_MINUTES = {"tests": "3+", "bench": "8", "train": "4", "fused": "?", "kernels": "1+", "sharded": "?"}
 # The sharded part's runs: (name, flags), both --parallel=fsdp on one process.
 SHARDED_RUNS = (("fsdp", []), ("fsdp + activation checkpointing", ["--activation_checkpointing=True"]))
 VARIANTS = ("res", "hc", "mhc", "mhclite")
@@ -118,7 +119,6 @@ def part_commands(part, args):
                         ["tests/fused/test_fused_ops.py::test_kernels_are_interpreted_on_cpu_and_compiled_on_cuda"])
         workers = ["-n", "4"] if at_m else []
         return [("kernel tests", python("-m", "pytest", "-q", *workers, "-m", "fused", *kernel_tests), {}),
-                *kernel_commands(args, shape, fused_env),
                 *[(f"train.py, {name}", python("train.py", *train_flags(args, residual, fused_dir(name)), *flags),
                    fused_env if flags else {}) for name, residual, flags in FUSED_RUNS]]
     if part == "sharded":
@@ -126,15 +126,11 @@ def part_commands(part, args):
         return [(f"train.py under torchrun, {name}", python(
             *torchrun, *train_flags(args, "mhclite", sharded_dir(name)), "--parallel=fsdp", *flags), {})
             for name, flags in SHARDED_RUNS]
-    raise ValueError(f"unknown part {part}")
-
-
-def kernel_commands(args, shape, fused_env):
-    """The predictions for this GPU and its triton (compiled, never interpreted), then each kernel's
-    time beside them, then its hardware counters beside the proxies."""
+    # The predictions for this GPU and its triton (compiled, never interpreted), then each kernel's
+    # time beside them, then its hardware counters beside the proxies.
     predictions = os.path.join(args.out, "predicted_times.json")
     machine = "cuda" if args.device == "cuda" else "h200"
-    counted_shape = [] if args.size == "M" else DRY_RUN_SHAPE
+    counted_shape = [] if at_m else DRY_RUN_SHAPE
     return [("fused.tools.latency", python("-m", "fused.tools.latency", "--machine", machine, "--predictions",
                                            predictions, "--json", os.path.join(args.out, "latency.json")),
              {"TRITON_INTERPRET": "0"}),
@@ -340,7 +336,7 @@ def counters_result(out):
     """Each kernel's DRAM bytes, read by ncu, over the L2 model's, per stream dtype (mhclite)."""
     result = read_json(os.path.join(out, "counters.json"))
     if not result:
-        return "no hardware counters (benchmarks.kernel_counters: fused.log says why)"
+        return "no hardware counters (benchmarks.kernel_counters: kernels.log says why)"
     by_dtype = {}
     for row in result["rows"]:
         by_dtype.setdefault(row["stream_dtype"], []).append(
@@ -354,8 +350,7 @@ def fused_result(out):
         f"{name} {fmt(run['ms'], '.1f')} ms/step, {fmt(run['x_res'], '.2f')} x res ({run['path']['path']})"
         + (f", max abs(loss - reference) {run['difference']:.1e}" if "difference" in run else "")
         for name, run in training.items())
-    return (f"{kernels_result(out)}; {counters_result(out)}; {steps or 'no training run finished'}; the default "
-            f"here: {fused_verdict(training)}")
+    return f"{steps or 'no training run finished'}; the default here: {fused_verdict(training)}"
 
 
 def kernels_result(out):
@@ -381,6 +376,7 @@ def summary(args, parts):
     device = torch.device(args.device)
     results = {"tests": lambda: tests_result(args.out), "bench": lambda: bench_result(args.out),
                "train": lambda: train_result(args.out, device), "fused": lambda: fused_result(args.out),
+               "kernels": lambda: f"{kernels_result(args.out)}; {counters_result(args.out)}",
                "sharded": lambda: sharded_result(args.out)}
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU dry run"
     lines = [f"## GPU check: {name}, torch {torch.__version__} (--device {args.device} --size {args.size}, "

@@ -30,10 +30,11 @@ def test_cpu_dry_run_runs_every_part_and_the_summary_comes_last(tmp_path, capsys
     code, printed = run_check(["bench", "tests"], out, capsys)
     assert code == 0, printed
     statuses = {part: row[1] for part, row in summary_rows((out / "summary.md").read_text()).items()}
-    assert statuses == {"tests": "ok", "bench": "ok", "train": "not run", "fused": "not run", "sharded": "not run"}
+    assert statuses == {"tests": "ok", "bench": "ok", "train": "not run", "fused": "not run",
+                        "kernels": "not run", "sharded": "not run"}
     assert printed.index("gpu_check: tests") < printed.index("gpu_check: bench")  # the parts' order
 
-    code, printed = run_check(["train", "fused", "sharded"], out, capsys)
+    code, printed = run_check(["train", "fused", "kernels", "sharded"], out, capsys)
     summary = (out / "summary.md").read_text()
     assert printed.rstrip().endswith(summary.rstrip())  # printed last
     assert code == 0, printed
@@ -55,9 +56,9 @@ def test_cpu_dry_run_runs_every_part_and_the_summary_comes_last(tmp_path, capsys
     # the trained mhclite's H_res is exact; hc's is not doubly stochastic at all
     errors = {cell.split()[0]: cell.split()[-1] for cell in rows["train"][4].split("; ") if "sum" in cell}
     assert float(errors["mhclite"]) < 1e-6 < float(errors["hc"])
-    assert rows["fused"][4].startswith("x copy, us measured / predicted at M: hc float32 ")
-    assert "; no hardware counters (benchmarks.kernel_counters: fused.log says why); " in rows["fused"][4]
-    assert "skipped: no hardware counters here: needs a CUDA GPU and ncu" in (out / "fused.log").read_text()
+    assert rows["kernels"][4].startswith("x copy, us measured / predicted at M: hc float32 ")
+    assert rows["kernels"][4].endswith("; no hardware counters (benchmarks.kernel_counters: kernels.log says why)")
+    assert "skipped: no hardware counters here: needs a CUDA GPU and ncu" in (out / "kernels.log").read_text()
     # every kernel's prediction (python -m fused.tools.latency) is printed beside its time
     assert all(row["predicted_us_at_m"] > 0 for row in json.loads((out / "kernels.json").read_text())["kernels"]["rows"])
     # the fused part's training runs, each against the reference's losses; on CPU train.py takes the
@@ -106,7 +107,7 @@ def test_help_says_what_each_part_verifies(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["benchmark"], "error: unknown part 'benchmark'; valid: tests bench train fused"),
+    (["benchmark"], "error: unknown part 'benchmark'; valid: tests bench train fused kernels sharded"),
     (["--device", "cpu", "--size", "M"], "error: the CPU dry run is --device cpu --size tiny"),
     (["--size", "XL"], "error: argument --size: invalid choice: 'XL'"),
 ])
