@@ -2,7 +2,7 @@
 weights + gradients + AdamW state per GPU under DDP and under FSDP2, and the activations autograd
 keeps for one sequence, with and without activation checkpointing (--activation_checkpointing).
 
-    python -m benchmarks.memory                  # the table in docs/training.md
+    python -m benchmarks.memory                  # the table in docs/scaling.md
     python -m benchmarks.memory --check S,M      # and the formula against full-depth counts
 
 Activations are counted on CPU (saved-tensor bytes, step.saved_activation_bytes) and are exactly
