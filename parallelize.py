@@ -145,7 +145,7 @@ def apply_fsdp(model, compute_dtype=torch.float32):
 def as_vectors(model):
     """fully_shard shards 1-D and larger parameters only: each 0-D parameter (the connections'
     scales) becomes a 1-element vector with the same value, which every use broadcasts exactly as
-    before. A sharded checkpoint stores them so; checkpoint.py reads them back into plain models."""
+    before. A sharded checkpoint stores them so; checkpoint/sharded.py reads them back into plain models."""
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             if param.dim() == 0:

@@ -1,4 +1,4 @@
-"""train.py and checkpoint.py end to end on CPU: a tiny model on a tiny char-level corpus written
+"""train.py and the checkpoint package end to end on CPU: a tiny model on a tiny char-level corpus written
 into tmp_path. Covers the four variants, exact resume, 2-process DDP equivalence, SIGTERM, a
 non-finite loss, damaged checkpoints and the one-line errors."""
 import json
