@@ -11,12 +11,8 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from config import COMPILE_MODES
 from residuals import HyperConnection, ManifoldHyperConnection, sinkhorn
-
-
-COMPILE_MODES = ("model", "blocks")
-DEFAULT_COMPILE_MODE = "model"  # train.py's and bench.py's
-
 
 SHARED_SINKHORN_TORCH = (2, 13)  # checked against eager there (tests/test_model.py)
 

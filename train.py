@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 
 from checkpoint import CheckpointError, CheckpointManager, SaveError, TrainState
-from config import ConfigError, help_text, load_config, model_settings
+from config import ConfigError, help_text, load_config, model_settings, model_shape
 from devices import DeviceError, autocast_context, peak_flops, setup_distributed, synchronize, tf32_matmuls
-from model import GPT, GPTConfig, connection_path_line, model_shape
+from model import GPT, GPTConfig, connection_path_line
 from parallelize import materialise, parallelize
 
 GPT2_PADDED_VOCAB = 50304  # GPT-2's 50257 tokens padded to a multiple of 64

@@ -5,12 +5,13 @@ the model's (refused when they differ, but for the execution settings)."""
 import dataclasses
 
 from checkpoint.single_file import CheckpointError
+from config import Execution
 from model import GPTConfig
 
 # Config keys that decide what a run is; resuming with another value would train a different model.
 RUN_IDENTITY_KEYS = ("residual", "size", "n_streams")
 # Model settings that change how the same model is computed, not what it is; free to change on resume.
-EXECUTION_KEYS = ("fused_connections",)
+EXECUTION_KEYS = tuple(f.name for f in dataclasses.fields(Execution))
 # Settings a resume keeps from the checkpoint, and what each fixes.
 KEPT_ON_RESUME = {"seed": "the eval batches and the model's seeded choices",
                   "dataset": "the corpus the data position refers to"}
