@@ -226,7 +226,7 @@ class GPT(nn.Module):
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         """AdamW that decays only the 2-D projection weights (Linear and Embedding weights,
         connection projections included); biases, scales, static HC matrices and norm gains
-        are never decayed (SPEC section 2). With connection_weight_decay="authors" the
+        are never decayed (nanoGPT's rule; docs/training.md). With connection_weight_decay="authors" the
         connections' decay follows authors.decayed(); rows of a tensor decayed in part (hc's W_a in
         its fused projection) get AdamW's decoupled decay from a step pre-hook, which is the same
         update as being in the decayed group, since AdamW decays before its Adam step."""
