@@ -319,7 +319,7 @@ class CheckpointManager:
         if self.world.ddp:
             rng = [None] * self.world.size
             dist.all_gather_object(rng, rng_state(self.world.device))
-        run_state = dict(state.state_dict(weights=False), config=dataclasses.asdict(self.cfg), rng=rng)
+        added = dict(config=dataclasses.asdict(self.cfg), rng=rng)  # what a checkpoint holds besides the state
         self.wait()  # the save before this one
         error = None
         try:
@@ -327,12 +327,13 @@ class CheckpointManager:
                 self.stager.close()
                 self.stager = new_stager(self.world.device)
             if self.world.sharded:
-                self.in_flight = start_sharded_save(self.path, state.model, state.optimizer, run_state,
+                self.in_flight = start_sharded_save(self.path, state.model, state.optimizer,
+                                                    dict(state.state_dict(weights=False), **added),
                                                     self.cfg.keep_checkpoints, self.group, self.stager)
             elif self.world.master:
                 if self.cfg.keep_checkpoints > 1 and self.saved_step is not None:
                     keep_previous(self.path, self.saved_step)
-                save_checkpoint(self.path, dict(state.state_dict(), config=run_state["config"], rng=rng))
+                save_checkpoint(self.path, dict(state.state_dict(), **added))
                 remove_stale_kept(self.cfg.out_dir, self.cfg.keep_checkpoints)
         except Exception as e:  # torch's writer raises RuntimeError as well as OSError
             error = e
