@@ -1,6 +1,6 @@
 """The authors' training code (FFTYYY/mhc-lite), where it differs from the paper as written.
 
-Each difference is one model setting (model.ModelSettings) whose default is the paper's;
+Each difference is one model setting (config.AuthorsSwitches) whose default is the paper's;
 configs/authors.py sets them all to the authors' values. docs/faithfulness.md says where each is in
 their code and what it changes.
 residuals.py stays the paper; the connection subclasses here add the authors' arithmetic.
@@ -24,6 +24,8 @@ SETTINGS = {
     "h_res_dtype": ("float32", "autocast"),  # mhclite: their permutation einsum in bf16 under autocast
     "mixing_dtype": ("float32", "autocast"),  # their projection, coefficients and mixing in bf16 under autocast
 }
+# The two that act on training only (the init and the optimizer), not on what the model computes.
+TRAINING_ONLY = ("init_stream", "connection_weight_decay")
 # The settings that change a connection's arithmetic, and the variants they act on.
 ARITHMETIC = {"rms_eps": ("hc", "mhc", "mhclite"), "mixing_dtype": ("hc", "mhc", "mhclite"),
               "sinkhorn_order": ("mhc",), "h_res_dtype": ("mhclite",)}

@@ -2,46 +2,183 @@
 
     python train.py configs/owt.py configs/S.py configs/mhclite.py --max_iters=2000 --seed=1
 
-TrainConfig embeds the model settings (model.ModelSettings, defined once there) and adds the
-training settings; every field carries its one-line description, its --help group and its check
-(model.setting). Config files are plain Python assignment files (`n_layer = 6`), applied left to
-right; then `--key=value` overrides. Every value is coerced to its field's type and checked, so a
-typo, a wrong type or a value out of range is one clear `ConfigError` line instead of a failure
-deep inside training. Config files may not set `dataset`, `size` or `residual` differently from
-an earlier file (composing configs/S.py with configs/M.py is a mistake); a command-line override
-always wins.
+Every setting is a field made by setting(): its one-line description, its --help group and its
+check. The model's settings come in four groups (Architecture, AuthorsSwitches, Execution,
+ModelTraining; ModelSettings holds them all, model.GPTConfig adds the vocabulary); TrainConfig
+adds the training settings. A size (SIZES) is a shape and its learning rates. Config files are
+plain Python assignment files (`n_layer = 6`), applied left to right; then `--key=value`
+overrides. Every value is coerced to its field's type and checked, so a typo, a wrong type or a
+value out of range is one clear `ConfigError` line instead of a failure deep inside training.
+Config files may not set `dataset`, `size` or `residual` differently from an earlier file
+(composing configs/S.py with configs/M.py is a mistake); a command-line override always wins.
 """
 
 import ast
+import math
 import os
+import re
 import typing
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
-from model import DEFAULT_SIZE, MODEL_SIZES, ModelSettings, at_least, check_settings, in_unit_interval, setting
-from parallelize import COMPILE_MODES, DEFAULT_COMPILE_MODE
+import torch
+
+import authors
+from residuals import PERM_SAMPLINGS, RESIDUALS, RMS_EPS
 
 REPO_DIR = os.path.dirname(os.path.abspath(__file__))
-
-# (learning rate, minimum learning rate) per size: the paper's (Appendix A) for S, M and L; ours for
-# tiny (the CPU demo, where 3e-3 trains better: docs/results.md), and for XL and 7B, which continue
-# the paper's rule (GPT-3's rates for the nearest of its sizes, min lr / 10).
-SIZE_LEARNING_RATES = {"tiny": (3e-3, 3e-4), "S": (1e-3, 1e-4), "M": (6e-4, 6e-5), "L": (3e-4, 3e-5),
-                       "XL": (2e-4, 2e-5), "7B": (1.2e-4, 1.2e-5)}
-
-# Keys that name what a run is; two config files setting them differently is an error.
-IDENTITY_KEYS = ("dataset", "size", "residual")
 
 # The --help groups, in the order printed.
 GROUPS = ("model", "optimizer and schedule", "data", "run and checkpoints", "parallelism")
 OPTIMIZER, DATA, RUN, PARALLEL = GROUPS[1:]
 
-FLOAT32_MAX = 3.4028234663852886e38
+# ----------------------------------------------------------------------------------------------
+# Settings that describe and check themselves
 
-# Settings that no longer exist, and what replaces them.
-REMOVED_KEYS = {
-    "debug_nan_at_step": "it was a test-only hook; tests now make a step's loss non-finite by patching "
-                         "train.train_step",
+
+def setting(default, help, group="model", choices=None, valid=None, requirement=None, pattern=None):
+    """A dataclass field that describes itself: `help`, the one line --help prints; `group`, the
+    heading it is listed under; its check, `choices` (or a `pattern` they name) or a predicate
+    `valid` with its `requirement` as the error states it."""
+    return field(default=default, metadata=dict(help=help, group=group, choices=choices, valid=valid,
+                                                requirement=requirement, pattern=pattern))
+
+
+def check_settings(settings):
+    """Check every field of a dataclass built with setting() against its own check; the first bad
+    value is one ValueError line. Unset optional settings (None) are not checked."""
+    for f in fields(settings):
+        value, meta = getattr(settings, f.name), f.metadata
+        if value is None or not meta:
+            continue
+        if meta["pattern"] is not None and not re.fullmatch(meta["pattern"], value) or (
+                meta["pattern"] is None and meta["choices"] is not None and value not in meta["choices"]):
+            raise ValueError(f"unknown {f.name} '{value}'; valid: {', '.join(meta['choices'])}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{f.name} must be a finite number, got {value}")
+        if meta["valid"] is not None and not meta["valid"](value):
+            raise ValueError(f"{f.name} must be {meta['requirement']}, got {value}")
+
+
+def at_least(bound, note=""):
+    return dict(valid=lambda v: v >= bound, requirement=f">= {bound}{note}")
+
+
+def in_unit_interval():
+    return dict(valid=lambda v: 0 <= v < 1, requirement="in [0, 1)")
+
+
+# ----------------------------------------------------------------------------------------------
+# Sizes
+
+
+@dataclass(frozen=True)
+class Size:
+    """A model size: its shape, its peak learning rate and the cosine's end (min_lr)."""
+    n_layer: int
+    n_head: int
+    n_embd: int
+    learning_rate: float
+    min_lr: float
+
+    def shape(self) -> dict:
+        return dict(n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd)
+
+
+SIZES = {
+    # ours: the CPU demo and test model; 3e-3 trains it better than the paper's rule (docs/results.md)
+    "tiny": Size(n_layer=4, n_head=4, n_embd=128, learning_rate=3e-3, min_lr=3e-4),
+    # the paper's (Appendix A): GPT-2 small, medium and large
+    "S": Size(n_layer=6, n_head=8, n_embd=512, learning_rate=1e-3, min_lr=1e-4),
+    "M": Size(n_layer=12, n_head=12, n_embd=768, learning_rate=6e-4, min_lr=6e-5),
+    "L": Size(n_layer=24, n_head=16, n_embd=1024, learning_rate=3e-4, min_lr=3e-5),
+    # ours past the paper: GPT-2 XL's shape and GPT-3 6.7B's (sharded on 8 x 80 GB), with the paper's
+    # rule for the rates: GPT-3's for the nearest of its sizes, min lr / 10
+    "XL": Size(n_layer=48, n_head=25, n_embd=1600, learning_rate=2e-4, min_lr=2e-5),
+    "7B": Size(n_layer=32, n_head=32, n_embd=4096, learning_rate=1.2e-4, min_lr=1.2e-5),
 }
+DEFAULT_SIZE = "M"
+
+
+def model_shape(size: str) -> dict:
+    if size not in SIZES:
+        raise ValueError(f"unknown size '{size}'; valid: {', '.join(SIZES)}")
+    return SIZES[size].shape()
+
+
+# ----------------------------------------------------------------------------------------------
+# The model's settings
+
+STREAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Architecture:
+    """What the model is: its residual connection and its shape (the Hugging Face export keeps these)."""
+    residual: str = setting("res", "the residual connection", choices=tuple(RESIDUALS))
+    n_streams: int = setting(4, "residual streams n of hc, mhc and mhclite (res has 1)", **at_least(1))
+    mhclite_perms: int | None = setting(None, "mhclite: permutations K in H_res; None: all n! (n <= 5)",
+                                        **at_least(1, " (or None: all n! permutations)"))
+    mhclite_perm_sampling: str = setting("uniform", "mhclite: how K < n! permutations are drawn (cover: the n "
+                                         "shifts first)", choices=PERM_SAMPLINGS)
+    perm_seed: int = setting(0, "mhclite: seed of the permutation draw")
+    sinkhorn_iters: int = setting(20, "mhc: Sinkhorn-Knopp iterations", **at_least(1))
+    block_size: int = setting(1024, "context length in tokens", **at_least(1))
+    n_layer: int | None = setting(None, "transformer blocks; None: the size's", **at_least(1))
+    n_head: int | None = setting(None, "attention heads; None: the size's", **at_least(1))
+    n_embd: int | None = setting(None, "width C; None: the size's", **at_least(1))
+    bias: bool = setting(False, "biases in the Linear and LayerNorm layers")
+    stream_dtype: str = setting("float32", "storage of the HC family's n streams", choices=tuple(STREAM_DTYPES))
+
+
+@dataclass
+class AuthorsSwitches:
+    """The paper as written (the defaults) or as the authors' code ran it (authors.py sets out both
+    values of each; configs/authors.py sets them all to the authors'). All but the two of
+    authors.TRAINING_ONLY change what the model computes."""
+    final_norm: str = setting("after_sum", "final LayerNorm after the stream sum, or on each stream, then the "
+                              "sum", choices=authors.SETTINGS["final_norm"])
+    rms_eps: float = setting(RMS_EPS, "inside the connections' RMS root; 0: F.normalize, the authors'",
+                             **at_least(0, " (0: the authors' F.normalize)"))
+    sinkhorn_order: str = setting("cols_then_rows", "mhc: rows exact, or columns (the authors')",
+                                  choices=authors.SETTINGS["sinkhorn_order"])
+    init_stream: str = setting("wrapper_mod_n", "the stream a wrapper reads at init; drawn (the authors'): "
+                               "seeded with seed", choices=authors.SETTINGS["init_stream"])
+    connection_weight_decay: str = setting("projections", "decayed connection parameters; authors: every >= 2-D "
+                                           "one", choices=authors.SETTINGS["connection_weight_decay"])
+    h_res_dtype: str = setting("float32", "mhclite: the permutations combined in fp32, or in bf16 under "
+                               "autocast (the authors')", choices=authors.SETTINGS["h_res_dtype"])
+    mixing_dtype: str = setting("float32", "u and h_res x in fp32, or with bf16 operands and result under "
+                                "autocast (the authors')", choices=authors.SETTINGS["mixing_dtype"])
+
+
+@dataclass
+class Execution:
+    """How the same model is computed: free to change when a run resumes."""
+    fused_connections: bool = setting(False, "Triton kernels for the HC family on CUDA (opt-in: slower so "
+                                      "far)")
+
+
+@dataclass
+class ModelTraining:
+    """The model's settings that act on training only (regularisation, memory)."""
+    dropout: float = setting(0.0, "dropout probability", **in_unit_interval())
+    recompute_connections: bool = setting(False, "recompute the connections' internals in backward (memory)")
+
+
+@dataclass
+class ModelSettings(ModelTraining, Execution, AuthorsSwitches, Architecture):
+    """Every model setting, as a user sets it (train.py's "model" group), flat: a checkpoint saves
+    them by name (model_args)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# The training configuration
+
+COMPILE_MODES = ("model", "blocks")
+DEFAULT_COMPILE_MODE = "model"  # train.py's and bench.py's
+FLOAT32_MAX = 3.4028234663852886e38
+# Keys that name what a run is; two config files setting them differently is an error.
+IDENTITY_KEYS = ("dataset", "size", "residual")
 
 
 class ConfigError(ValueError):
@@ -51,7 +188,8 @@ class ConfigError(ValueError):
 @dataclass
 class TrainConfig(ModelSettings):
     """The model settings (inherited), then what training adds."""
-    size: str = setting(DEFAULT_SIZE, "shape preset (n_layer, n_head, n_embd override it)", choices=tuple(MODEL_SIZES))
+    size: str = setting(DEFAULT_SIZE, "shape and learning rates (config.SIZES; n_layer, n_head, n_embd override the "
+                        "shape)", choices=tuple(SIZES))
     # optimizer and schedule
     learning_rate: typing.Optional[float] = setting(None, "peak learning rate; None: the size's (paper Appendix A)",
                                                     OPTIMIZER, valid=lambda v: v > 0, requirement="> 0")
@@ -162,8 +300,6 @@ PARSERS = {bool: _parse_bool, int: _parse_int, float: _parse_float, str: _parse_
 def coerce(key, value):
     """Convert `value` (a string from the command line or a literal from a file) to the type of
     field `key`; raises ConfigError naming the field and the expected type."""
-    if key in REMOVED_KEYS:
-        raise ConfigError(f"{key} was removed: {REMOVED_KEYS[key]}")
     if key not in FIELD_TYPES:
         valid = ", ".join(f.name for f in fields(TrainConfig))
         raise ConfigError(f"unknown config key '{key}'; valid keys: {valid}")
@@ -257,18 +393,18 @@ def check_together(cfg, min_lr_from_size=False):
 
 
 def resolve(cfg):
-    """Check every value, each against its field's check (model.setting), and fill the derived
+    """Check every value, each against its field's check (setting()), and fill the derived
     defaults; the first bad value is one ConfigError line naming it."""
     try:
         check_settings(cfg)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    default_lr, default_min_lr = SIZE_LEARNING_RATES[cfg.size]
+    size = SIZES[cfg.size]
     min_lr_from_size = cfg.min_lr is None
     if cfg.learning_rate is None:
-        cfg.learning_rate = default_lr
+        cfg.learning_rate = size.learning_rate
     if cfg.min_lr is None:
-        cfg.min_lr = default_min_lr
+        cfg.min_lr = size.min_lr
     if cfg.lr_decay_iters is None:
         cfg.lr_decay_iters = cfg.max_iters
     check_together(cfg, min_lr_from_size)
@@ -280,7 +416,7 @@ def resolve(cfg):
 
 
 def model_settings(settings) -> dict:
-    """The model settings (model.ModelSettings) of a TrainConfig or a GPTConfig, by name."""
+    """The model settings (ModelSettings) of a TrainConfig or a GPTConfig, by name."""
     return {f.name: getattr(settings, f.name) for f in fields(ModelSettings)}
 
 

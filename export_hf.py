@@ -19,9 +19,11 @@ import os
 import shutil
 import sys
 
+import authors
 import dataprep
 import sample
 from checkpoint import CheckpointError
+from config import Architecture, AuthorsSwitches
 
 REPO_DIR = os.path.dirname(os.path.abspath(__file__))
 MODELING_FILES = ("hf/configuration_mhclite_gpt.py", "hf/modeling_mhclite_gpt.py", "residuals.py", "authors.py")
@@ -35,8 +37,11 @@ class ExportError(Exception):
 
 def model_settings(config):
     """The settings of a GPTConfig the exported model computes with (hf/configuration_mhclite_gpt.py):
-    all but those model.setting marks training_only (init, optimizer, memory, dropout, kernels)."""
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if not f.metadata["training_only"]}
+    its architecture, its vocabulary and the authors' switches that act on the forward pass; not
+    the execution and training settings (kernels, memory, dropout, init, optimizer)."""
+    names = [f.name for f in dataclasses.fields(Architecture)] + ["vocab_size"] + [
+        f.name for f in dataclasses.fields(AuthorsSwitches) if f.name not in authors.TRAINING_ONLY]
+    return {name: getattr(config, name) for name in names}
 
 
 def char_tokenizer(itos):

@@ -8,110 +8,15 @@ value of each is what the authors' code computes (configs/authors.py, docs/faith
 """
 
 import math
-import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import authors
-from residuals import PERM_SAMPLINGS, RESIDUALS, RMS_EPS, at_least_fp32, expand_streams, reduce_streams
-
-MODEL_SIZES = {
-    "tiny": dict(n_layer=4, n_head=4, n_embd=128),  # ours: a CPU demo and test model
-    "S": dict(n_layer=6, n_head=8, n_embd=512),
-    "M": dict(n_layer=12, n_head=12, n_embd=768),
-    "L": dict(n_layer=24, n_head=16, n_embd=1024),
-    "XL": dict(n_layer=48, n_head=25, n_embd=1600),  # ours past the paper: GPT-2 XL's shape
-    "7B": dict(n_layer=32, n_head=32, n_embd=4096),  # ours: GPT-3 6.7B's shape, needs sharding on 8 x 80 GB
-}
-
-
-def model_shape(size: str) -> dict:
-    if size not in MODEL_SIZES:
-        raise ValueError(f"unknown size '{size}'; valid: {', '.join(MODEL_SIZES)}")
-    return dict(MODEL_SIZES[size])
-
-
-DEFAULT_SIZE = "M"
-STREAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def setting(default, help, group="model", choices=None, valid=None, requirement=None, pattern=None,
-            training_only=False):
-    """A dataclass field that describes itself: `help`, the one line --help prints; `group`, the
-    heading it is listed under; its check, `choices` (or a `pattern` they name) or a predicate
-    `valid` with its `requirement` as the error states it; `training_only`: the setting changes
-    training (init, optimizer, memory, dropout) or which kernels run, not what the model computes,
-    so the Hugging Face export leaves it out."""
-    return field(default=default, metadata=dict(help=help, group=group, choices=choices, valid=valid,
-                                                requirement=requirement, pattern=pattern,
-                                                training_only=training_only))
-
-
-def check_settings(settings):
-    """Check every field of a dataclass built with setting() against its own check; the first bad
-    value is one ValueError line. Unset optional settings (None) are not checked."""
-    for f in fields(settings):
-        value, meta = getattr(settings, f.name), f.metadata
-        if value is None or not meta:
-            continue
-        if meta["pattern"] is not None and not re.fullmatch(meta["pattern"], value) or (
-                meta["pattern"] is None and meta["choices"] is not None and value not in meta["choices"]):
-            raise ValueError(f"unknown {f.name} '{value}'; valid: {', '.join(meta['choices'])}")
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"{f.name} must be a finite number, got {value}")
-        if meta["valid"] is not None and not meta["valid"](value):
-            raise ValueError(f"{f.name} must be {meta['requirement']}, got {value}")
-
-
-def at_least(bound, note=""):
-    return dict(valid=lambda v: v >= bound, requirement=f">= {bound}{note}")
-
-
-def in_unit_interval():
-    return dict(valid=lambda v: 0 <= v < 1, requirement="in [0, 1)")
-
-
-@dataclass
-class ModelSettings:
-    """What a model computes and how it trains, as a user sets it (train.py's model settings)."""
-    residual: str = setting("res", "the residual connection", choices=tuple(RESIDUALS))
-    n_streams: int = setting(4, "residual streams n of hc, mhc and mhclite (res has 1)", **at_least(1))
-    mhclite_perms: int | None = setting(None, "mhclite: permutations K in H_res; None: all n! (n <= 5)",
-                                        **at_least(1, " (or None: all n! permutations)"))
-    mhclite_perm_sampling: str = setting("uniform", "mhclite: how K < n! permutations are drawn (cover: the n "
-                                         "shifts first)", choices=PERM_SAMPLINGS)
-    perm_seed: int = setting(0, "mhclite: seed of the permutation draw")
-    sinkhorn_iters: int = setting(20, "mhc: Sinkhorn-Knopp iterations", **at_least(1))
-    block_size: int = setting(1024, "context length in tokens", **at_least(1))
-    n_layer: int | None = setting(None, "transformer blocks; None: the size's", **at_least(1))
-    n_head: int | None = setting(None, "attention heads; None: the size's", **at_least(1))
-    n_embd: int | None = setting(None, "width C; None: the size's", **at_least(1))
-    dropout: float = setting(0.0, "dropout probability", training_only=True, **in_unit_interval())
-    bias: bool = setting(False, "biases in the Linear and LayerNorm layers")
-    stream_dtype: str = setting("float32", "storage of the HC family's n streams", choices=tuple(STREAM_DTYPES))
-    recompute_connections: bool = setting(False, "recompute the connections' internals in backward (memory)",
-                                          training_only=True)
-    fused_connections: bool = setting(False, "Triton kernels for the HC family on CUDA (opt-in: slower so "
-                                      "far)", training_only=True)
-    # The paper as written (defaults) or as the authors' code ran it (authors.py, configs/authors.py):
-    final_norm: str = setting("after_sum", "final LayerNorm after the stream sum, or on each stream, then the "
-                              "sum", choices=authors.SETTINGS["final_norm"])
-    rms_eps: float = setting(RMS_EPS, "inside the connections' RMS root; 0: F.normalize, the authors'",
-                             **at_least(0, " (0: the authors' F.normalize)"))
-    sinkhorn_order: str = setting("cols_then_rows", "mhc: rows exact, or columns (the authors')",
-                                  choices=authors.SETTINGS["sinkhorn_order"])
-    init_stream: str = setting("wrapper_mod_n", "the stream a wrapper reads at init; drawn (the authors'): "
-                               "seeded with seed", choices=authors.SETTINGS["init_stream"], training_only=True)
-    connection_weight_decay: str = setting("projections", "decayed connection parameters; authors: every >= 2-D "
-                                           "one", choices=authors.SETTINGS["connection_weight_decay"],
-                                           training_only=True)
-    h_res_dtype: str = setting("float32", "mhclite: the permutations combined in fp32, or in bf16 under "
-                               "autocast (the authors')", choices=authors.SETTINGS["h_res_dtype"])
-    mixing_dtype: str = setting("float32", "u and h_res x in fp32, or with bf16 operands and result under "
-                                "autocast (the authors')", choices=authors.SETTINGS["mixing_dtype"])
+from config import DEFAULT_SIZE, STREAM_DTYPES, ModelSettings, at_least, check_settings, model_shape, setting
+from residuals import at_least_fp32, expand_streams, reduce_streams
 
 
 @dataclass
@@ -119,10 +24,10 @@ class GPTConfig(ModelSettings):
     """Everything GPT(config) needs: the model settings, with the shape given (None: M's), the
     vocabulary and the seed of drawn init streams."""
     vocab_size: int = setting(50304, "GPT-2's 50257 tokens padded to a multiple of 64", **at_least(1))
-    init_stream_seed: int = setting(0, "seed of init_stream=drawn", training_only=True)
+    init_stream_seed: int = setting(0, "seed of init_stream=drawn")
 
     def __post_init__(self):
-        for key, value in MODEL_SIZES[DEFAULT_SIZE].items():
+        for key, value in model_shape(DEFAULT_SIZE).items():
             if getattr(self, key) is None:
                 setattr(self, key, value)
         if self.residual == "res":
@@ -321,7 +226,7 @@ class GPT(nn.Module):
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         """AdamW that decays only the 2-D projection weights (Linear and Embedding weights,
         connection projections included); biases, scales, static HC matrices and norm gains
-        are never decayed (SPEC section 2). With connection_weight_decay="authors" the
+        are never decayed (nanoGPT's rule; docs/training.md). With connection_weight_decay="authors" the
         connections' decay follows authors.decayed(); rows of a tensor decayed in part (hc's W_a in
         its fused projection) get AdamW's decoupled decay from a step pre-hook, which is the same
         update as being in the decayed group, since AdamW decays before its Adam step."""

@@ -11,12 +11,8 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from config import COMPILE_MODES
 from residuals import HyperConnection, ManifoldHyperConnection, sinkhorn
-
-
-COMPILE_MODES = ("model", "blocks")
-DEFAULT_COMPILE_MODE = "model"  # train.py's and bench.py's
-
 
 SHARED_SINKHORN_TORCH = (2, 13)  # checked against eager there (tests/test_model.py)
 
@@ -145,7 +141,7 @@ def apply_fsdp(model, compute_dtype=torch.float32):
 def as_vectors(model):
     """fully_shard shards 1-D and larger parameters only: each 0-D parameter (the connections'
     scales) becomes a 1-element vector with the same value, which every use broadcasts exactly as
-    before. A sharded checkpoint stores them so; checkpoint.py reads them back into plain models."""
+    before. A sharded checkpoint stores them so; checkpoint/sharded.py reads them back into plain models."""
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             if param.dim() == 0:

@@ -21,7 +21,9 @@ import math
 import os
 import random
 import secrets
+import signal
 import sys
+import threading
 import time
 from dataclasses import asdict
 
@@ -29,10 +31,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from checkpoint import CheckpointError, CheckpointManager, SaveError, StopFlag, TrainState, check_same_model
-from config import ConfigError, help_text, load_config, model_settings
+from checkpoint import CheckpointError, CheckpointManager, SaveError, TrainState
+from config import ConfigError, help_text, load_config, model_settings, model_shape
 from devices import DeviceError, autocast_context, peak_flops, setup_distributed, synchronize, tf32_matmuls
-from model import GPT, GPTConfig, connection_path_line, model_shape
+from model import GPT, GPTConfig, connection_path_line
 from parallelize import materialise, parallelize
 
 GPT2_PADDED_VOCAB = 50304  # GPT-2's 50257 tokens padded to a multiple of 64
@@ -45,6 +47,8 @@ PREPARE_COMMANDS = {
 # Generator streams derived from the seed: training batches and the two fixed eval sets.
 TRAIN_STREAM, EVAL_STREAMS = 0, {"train": 1, "val": 2}
 WANDB_ID_FILE = "wandb_run_id"  # in out_dir: the W&B run that restarts continue
+STOP_REQUEST_FILE = "stop"  # in out_dir: stop at the next step boundary, save, exit 0
+STOP_REQUESTED = -1  # StopFlag.agreed() for the request file; signals are positive
 
 
 class DataError(Exception):
@@ -297,6 +301,58 @@ def report_first_step(step, start, compiled, metrics, world):
     return time.perf_counter()
 
 
+class StopFlag:
+    """Stops the loop at the next step boundary, where it saves and exits, on SIGTERM or SIGINT
+    (exit code 128 + the signal number; torchrun passes them on to its workers and itself exits
+    with 1) or on a request: the file `stop` in out_dir, which rank 0 looks for at every step
+    (scripts/slurm_train.sbatch writes it before the time limit). A request ends with exit code 0,
+    so that torchrun does not restart the workers, and is removed once served. All ranks agree
+    through a CPU (gloo) all-reduce, which never waits for the GPU."""
+
+    def __init__(self, ddp, device, master, out_dir):
+        self.signum = 0
+        self.master = master
+        self.request_path = os.path.join(out_dir, STOP_REQUEST_FILE) if master else None
+        self.group = None
+        if ddp:
+            self.group = dist.new_group(backend="gloo") if device.type == "cuda" else dist.group.WORLD
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():  # signal handlers need it
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self.previous[signum] = signal.signal(signum, self._handle)
+
+    def _handle(self, signum, frame):
+        self.signum = signum
+
+    def agreed(self):
+        """0 to go on; else the signal number, or STOP_REQUESTED for the request file."""
+        requested = self.request_path is not None and os.path.exists(self.request_path)
+        flag = torch.tensor([self.signum, int(requested)])
+        if self.group is not None:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        signum, requested = flag.tolist()
+        return signum or (STOP_REQUESTED if requested else 0)
+
+    def finish(self, stopped, step, path, log=print):
+        """After the stop's save: says why the run stopped (rank 0) and returns the exit code; a
+        served request is removed."""
+        if self.master:
+            cause = f"the request {STOP_REQUEST_FILE} in the run folder" if stopped == STOP_REQUESTED else \
+                f"signal {stopped}"
+            log(f"stopped by {cause} after step {step}; checkpoint saved to {path}; continue with --init_from=auto "
+                f"(or resume)")
+        if stopped != STOP_REQUESTED:
+            return 128 + stopped
+        if self.request_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.request_path)
+        return 0
+
+    def restore(self):
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+
 def log_step(record, max_iters):
     mfu = f" | mfu {100 * record['mfu']:.1f}%" if record["mfu"] is not None else ""
     timing = ("first step only, timed above" if record["step_ms"] is None else
@@ -337,12 +393,12 @@ def compile_mode(cfg, world):
     return cfg.compile_mode
 
 
-def build_model(cfg, vocab_size, ckpt, ckpt_path, world, dtype):
+def build_model(cfg, vocab_size, resuming, world, dtype):
     """The GPT on its device, parallelized (parallelize.py): (the plain model, the one to evaluate,
-    the one to train). Initialised from the seed (rank 0's weights are the ones DDP broadcasts) or
-    with the checkpoint's weights; a model to be sharded is built on the meta device, holding
-    nothing, then each rank draws its shard of rank 0's weights (parallelize.materialise), or the
-    sharded checkpoint's weights come in when the checkpoint manager restores the run."""
+    the one to train). Initialised from the seed (rank 0's weights are the ones DDP broadcasts); a
+    model to be sharded is built on the meta device, holding nothing, then each rank draws its
+    shard of rank 0's weights (parallelize.materialise). A resumed run's weights come in when the
+    checkpoint manager restores it."""
     random.seed(cfg.seed + world.rank)
     np.random.seed(cfg.seed + world.rank)
     torch.manual_seed(cfg.seed + world.rank)
@@ -351,17 +407,13 @@ def build_model(cfg, vocab_size, ckpt, ckpt_path, world, dtype):
             model = GPT(build_model_config(cfg, vocab_size))
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if ckpt is not None:
-        check_same_model(ckpt, asdict(model.config), ckpt_path)
-        if not world.sharded:
-            model.load_state_dict(ckpt["model"])
     if not world.sharded:
         model.to(world.device)
     eval_model, train_model = parallelize(model, world.device, cfg.activation_checkpointing, compile_mode(cfg, world),
                                           shard=world.sharded, replicate=world.ddp and not world.sharded,
                                           compute_dtype=torch.bfloat16 if dtype == "bfloat16" else torch.float32)
     if world.sharded:
-        materialise(model, world.device, None if ckpt is not None else cfg.seed)
+        materialise(model, world.device, None if resuming else cfg.seed)
     return model, eval_model, train_model
 
 
@@ -434,7 +486,7 @@ def train(cfg, world):
     ckpt = checkpoints.load()  # None: a fresh start
     if checkpoints.finished:
         return 0
-    raw_model, model, train_model = build_model(cfg, vocab_size, ckpt, checkpoints.path, world, dtype)
+    raw_model, model, train_model = build_model(cfg, vocab_size, ckpt is not None, world, dtype)
     optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
                                                world.device.type)
     state = TrainState(raw_model, optimizer, make_generator(cfg.seed, TRAIN_STREAM))

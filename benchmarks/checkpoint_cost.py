@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 from checkpoint import CheckpointManager, TrainState, load_checkpoint
 from config import load_config
-from model import GPT, GPTConfig, model_shape
+from config import model_shape
+from model import GPT, GPTConfig
 
 
 def parse_args(argv):

@@ -15,7 +15,8 @@ from tqdm import tqdm
 
 from devices import synchronize
 from fused.tools.tables import fmt, markdown_table  # noqa: F401 (the benchmarks import them from here)
-from model import GPT, STREAM_DTYPES, GPTConfig, model_shape
+from config import STREAM_DTYPES, model_shape
+from model import GPT, GPTConfig
 from residuals import RESIDUALS
 
 HC_FAMILY = ("hc", "mhc", "mhclite")

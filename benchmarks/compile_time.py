@@ -24,7 +24,8 @@ import time
 import torch
 
 from devices import autocast_context, synchronize
-from parallelize import COMPILE_MODES, DEFAULT_COMPILE_MODE, compile_model
+from config import COMPILE_MODES, DEFAULT_COMPILE_MODE
+from parallelize import compile_model
 
 from .common import (NUM_BATCHES, BenchError, add_shared_flag, build_models, environment, fmt, main_variants,
                      make_optimizer, markdown_table, random_batches, ratio, resolve_shared_flags, same_mode_baselines,

@@ -29,7 +29,8 @@ import torch
 from devices import synchronize
 from fused import ops
 from fused.tools.launches import connection_launches
-from model import STREAM_DTYPES, GPTConfig
+from config import STREAM_DTYPES
+from model import GPTConfig
 
 from .common import BenchError, add_shared_flag, environment, fmt, markdown_table, stream_dtype_list, write_json
 from .kernels import resolve as resolve_kernel_flags

@@ -20,7 +20,7 @@ import torch
 
 from fused import ops
 from fused.tools.launches import connection_launches
-from model import STREAM_DTYPES
+from config import STREAM_DTYPES
 
 from .common import BenchError, add_shared_flag, environment, fmt, markdown_table, stream_dtype_list, write_json
 from .kernels import DRY_RUN_NOTE, time_alone

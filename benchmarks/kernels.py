@@ -33,7 +33,8 @@ from fused import TRITON_AVAILABLE, connection_forward, ops, packed_parameters
 from fused.tools.interpreter import fix_scalar_index
 from fused.tools.latency import at_copy_bandwidth
 from fused.tools.launches import connection_launches, connection_setup
-from model import STREAM_DTYPES, GPTConfig
+from config import STREAM_DTYPES
+from model import GPTConfig
 
 from .common import (HC_FAMILY, BenchError, add_shared_flag, environment, fmt, interleaved_times, markdown_table,
                      ratio, resolve_shared_flags, write_json)

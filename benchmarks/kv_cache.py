@@ -10,7 +10,8 @@ import time
 import torch
 
 import sample
-from model import GPT, GPTConfig, model_shape
+from config import model_shape
+from model import GPT, GPTConfig
 
 
 def tokens_per_s(model, prompt, new_tokens, kv_cache):

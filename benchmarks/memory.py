@@ -21,7 +21,8 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.step import saved_activation_bytes
-from model import GPT, MODEL_SIZES, GPTConfig
+from config import SIZES, model_shape
+from model import GPT, GPTConfig
 from parallelize import apply_ac
 from residuals import RESIDUALS
 
@@ -31,7 +32,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def build(size, residual, n_layer, block_size, vocab_size):
-    shape = dict(MODEL_SIZES[size], n_layer=n_layer)
+    shape = dict(model_shape(size), n_layer=n_layer)
     torch.manual_seed(0)
     return GPT(GPTConfig(block_size=block_size, vocab_size=vocab_size, residual=residual, **shape))
 
@@ -65,7 +66,7 @@ def activation_formula(size, residual, vocab_size, dtype, checkpointed):
 
 def parameters(size, residual, vocab_size, block_size):
     with torch.device("meta"):
-        return build(size, residual, MODEL_SIZES[size]["n_layer"], block_size, vocab_size).get_num_params(
+        return build(size, residual, SIZES[size].n_layer, block_size, vocab_size).get_num_params(
             non_embedding=False)
 
 
@@ -93,7 +94,7 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     args.sizes, args.residuals = args.sizes.split(","), args.residuals.split(",")
     args.check = [s for s in args.check.split(",") if s]
-    unknown = [s for s in args.sizes + args.check if s not in MODEL_SIZES] + [
+    unknown = [s for s in args.sizes + args.check if s not in SIZES] + [
         r for r in args.residuals if r not in RESIDUALS]
     if unknown:
         parser.error(f"unknown size or residual '{unknown[0]}'")
@@ -108,7 +109,7 @@ def main(argv=None):
     rows = []
     jobs = [(s, r) for s in args.sizes for r in args.residuals]
     for size, residual in tqdm(jobs, desc="counting", file=sys.stderr):
-        n_layer = MODEL_SIZES[size]["n_layer"]
+        n_layer = SIZES[size].n_layer
         params = parameters(size, residual, args.vocab_size, args.block_size)
         kept = activation_formula(size, residual, args.vocab_size, args.dtype, False)
         checkpointed = activation_formula(size, residual, args.vocab_size, args.dtype, True)
@@ -130,10 +131,10 @@ def main(argv=None):
         for residual in args.residuals:
             for dtype in dict.fromkeys(("float32", args.dtype)):
                 for ac in (False, True):
-                    full = counted(size, residual, MODEL_SIZES[size]["n_layer"], args.block_size, args.vocab_size,
+                    full = counted(size, residual, SIZES[size].n_layer, args.block_size, args.vocab_size,
                                    dtype, ac)
                     formula = activation_formula(size, residual, args.vocab_size, dtype, ac)
-                    predicted = formula(MODEL_SIZES[size]["n_layer"], args.block_size)
+                    predicted = formula(SIZES[size].n_layer, args.block_size)
                     print(f"| {residual} | {dtype} | {'on' if ac else 'off'} | {full / 2**20:.1f} | "
                           f"{predicted / 2**20:.1f} |")
                     if not math.isclose(full, predicted, rel_tol=1e-3):

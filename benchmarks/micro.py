@@ -17,7 +17,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from devices import autocast_context, synchronize
-from model import STREAM_DTYPES, GPTConfig, build_connection, connection_path
+from config import STREAM_DTYPES
+from model import GPTConfig, build_connection, connection_path
 from residuals import permutation_matrices, sinkhorn
 
 from .common import (HC_FAMILY, BenchError, add_shared_flag, environment, fmt, interleaved_times, main_variants,

@@ -25,7 +25,8 @@ from tqdm import tqdm
 
 from devices import autocast_context, peak_flops, synchronize
 from model import GPTConfig
-from parallelize import COMPILE_MODES, DEFAULT_COMPILE_MODE, compile_model
+from config import COMPILE_MODES, DEFAULT_COMPILE_MODE
+from parallelize import compile_model
 from parallelize import apply_ac
 
 from .common import (BLOCKS_SUFFIX, NUM_BATCHES, SHARED_FLAGS, BenchError, add_shared_flag, build_models,

@@ -1,4 +1,4 @@
-"""7B: 32 layers, 32 heads, width 4096, ~6.7B parameters (GPT-3 6.7B's shape; ours, past the paper).
+"""7B (ours, past the paper: GPT-3 6.7B's shape): its shape and learning rates are config.SIZES["7B"].
 Its weights, gradients and AdamW state (16 bytes a parameter) do not fit one 80 GB GPU: train it with
---parallel=fsdp. The learning rate (config.py) is GPT-3's for this shape, min lr / 10."""
+--parallel=fsdp."""
 size = "7B"

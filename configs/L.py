@@ -1,2 +1,2 @@
-"""L: 24 layers, 16 heads, width 1024, ~354M parameters (paper Appendix A); lr 3e-4, min lr 3e-5 (config.py)."""
+"""L (paper Appendix A): its shape and learning rates are config.SIZES["L"]."""
 size = "L"

@@ -1,2 +1,2 @@
-"""M: 12 layers, 12 heads, width 768, ~124M parameters (paper Appendix A); lr 6e-4, min lr 6e-5 (config.py)."""
+"""M (paper Appendix A): its shape and learning rates are config.SIZES["M"]."""
 size = "M"

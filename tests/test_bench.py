@@ -13,7 +13,8 @@ import torch
 from benchmarks import common
 from benchmarks import step as bench
 from conftest import assert_one_error_line, one_error_line
-from model import GPT, GPTConfig, model_shape
+from config import model_shape
+from model import GPT, GPTConfig
 from parallelize import compile_model
 
 BLOCK, VOCAB, SEED = 16, 96, 3

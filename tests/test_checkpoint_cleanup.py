@@ -6,6 +6,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import numpy as np
@@ -21,7 +22,7 @@ from config import REPO_DIR
 STALLED_WRITER = textwrap.dedent("""
     import sys, time
     import torch
-    import checkpoint
+    from checkpoint import single_file
 
     def stalled_save(obj, f):
         f.write(b"x" * 3_000_000)
@@ -29,8 +30,8 @@ STALLED_WRITER = textwrap.dedent("""
         print("saving", flush=True)
         time.sleep(600)
 
-    checkpoint.torch.save = stalled_save
-    checkpoint.save_checkpoint(sys.argv[1], {"step": 1})
+    torch.save = stalled_save
+    single_file.save_checkpoint(sys.argv[1], {"step": 1})
 """)
 
 
@@ -88,7 +89,7 @@ def test_a_save_leaves_no_temp_file_and_holds_its_lock_while_writing(tmp_path, m
         seen.append(remove_stale_temp_files(ckpt_path))  # a cleaner during our own save
         real_save(obj, f)
 
-    monkeypatch.setattr("checkpoint.torch.save", save_and_check)
+    monkeypatch.setattr(torch, "save", save_and_check)
     save_checkpoint(ckpt_path, {"step": 3})
     assert seen == [(0, 0)]
     assert os.listdir(tmp_path) == ["ckpt.pt"]
@@ -122,7 +123,7 @@ def test_train_removes_stale_temp_files_at_start_and_says_so(tmp_path, capsys):
 def test_a_writer_whose_fresh_temp_file_a_cleaner_deleted_takes_another(tmp_path, monkeypatch):
     """The gap between creating the temp file and locking it: a cleaner that wins it deletes the
     file, and the writer must notice (link count 0) instead of renaming a file that is gone."""
-    real_mkstemp = checkpoint.tempfile.mkstemp
+    real_mkstemp = tempfile.mkstemp
     calls = []
 
     def mkstemp_then_cleaner(**kwargs):
@@ -132,7 +133,7 @@ def test_a_writer_whose_fresh_temp_file_a_cleaner_deleted_takes_another(tmp_path
             assert remove_stale_temp_files(str(tmp_path / "ckpt.pt")) == (1, 0)  # not locked yet
         return fd, path
 
-    monkeypatch.setattr(checkpoint.tempfile, "mkstemp", mkstemp_then_cleaner)
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp_then_cleaner)
     save_checkpoint(str(tmp_path / "ckpt.pt"), {"step": 5})
     assert len(calls) == 2 and not os.path.exists(calls[0])
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 5
@@ -163,9 +164,9 @@ def test_the_low_space_warning_counts_each_file_on_disk_once(tmp_path, monkeypat
     link = str(tmp_path / "ckpt.dcp")
     assert checkpoint.checkpoint_bytes(link) == 2_000_000
     assert checkpoint.disk_bytes(checkpoint.run_checkpoints(str(tmp_path))) == 3_000_000
-    monkeypatch.setattr(checkpoint, "free_bytes", lambda directory: 1_500_000)
+    monkeypatch.setattr(checkpoint.manager, "free_bytes", lambda directory: 1_500_000)
     assert checkpoint.low_space_warning(link) == (
         f"warning: {tmp_path} has 1.5 MB free, less than the 2.0 MB of {link} (with the checkpoints kept beside it, "
         f"3.0 MB); the next checkpoint save will fail with a full disk unless space is freed")
-    monkeypatch.setattr(checkpoint, "free_bytes", lambda directory: 2_000_000)
+    monkeypatch.setattr(checkpoint.manager, "free_bytes", lambda directory: 2_000_000)
     assert checkpoint.low_space_warning(link) is None

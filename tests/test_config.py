@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from config import GROUPS, REPO_DIR, SIZE_LEARNING_RATES, ConfigError, TrainConfig, load_config, read_config_file
-from model import GPTConfig, ModelSettings
 import train
+from config import GROUPS, REPO_DIR, SIZES, ConfigError, ModelSettings, TrainConfig, load_config, read_config_file
 from conftest import one_error_line
+from model import GPTConfig
 
 
 def write(path, text):
@@ -100,13 +100,6 @@ def test_bad_values_give_one_clear_line(arg, words):
     assert_one_line_config_error(arg, words)
 
 
-def test_a_removed_setting_names_what_replaces_it_also_in_a_file(tmp_path):
-    assert_one_line_config_error("--debug_nan_at_step=3", ["debug_nan_at_step was removed", "train.train_step"])
-    path = write(tmp_path / "old.py", "debug_nan_at_step = -1\n")
-    with pytest.raises(ConfigError, match=r"old\.py: debug_nan_at_step was removed: it was a test-only hook"):
-        load_config([path])
-
-
 def test_unknown_key_or_bad_type_in_a_file_names_the_file(tmp_path):
     path = write(tmp_path / "x.py", "n_layers = 4\n")
     with pytest.raises(ConfigError, match=r"x\.py: unknown config key 'n_layers'; valid keys: .*max_iters"):
@@ -147,16 +140,37 @@ def test_out_dir_default_and_explicit(tmp_path):
     assert load_config([f"--out_dir={tmp_path}"]).out_dir == str(tmp_path)
 
 
-def test_every_field_has_a_parser():
-    for key, value in vars(TrainConfig()).items():
-        load_config([f"--{key}={value}"])
+# A value other than the default for every setting, as a user writes it.
+NON_DEFAULT = dict(
+    residual="mhclite", n_streams=3, mhclite_perms=4, mhclite_perm_sampling="cover", perm_seed=5, sinkhorn_iters=7,
+    block_size=64, n_layer=3, n_head=2, n_embd=48, bias=True, stream_dtype="bfloat16", final_norm="per_stream",
+    rms_eps=0.0, sinkhorn_order="rows_then_cols", init_stream="drawn", connection_weight_decay="authors",
+    h_res_dtype="autocast", mixing_dtype="autocast", fused_connections=True, dropout=0.25, recompute_connections=True,
+    size="S", learning_rate=2e-3, min_lr=1e-5, weight_decay=0.05, beta1=0.8, beta2=0.99, grad_clip=0.5,
+    warmup_iters=10, lr_decay_iters=500, max_iters=1000, dataset="shakespeare", data_dir="/data/corpora",
+    batch_size=4, gradient_accumulation_steps=2, out_dir="/runs/a", init_from="auto", seed=7, eval_interval=50,
+    eval_iters=20, log_interval=5, always_save_checkpoint=False, ckpt_interval=100, keep_checkpoints=3,
+    wandb_log=True, wandb_project="p", wandb_run_name="r", parallel="fsdp", activation_checkpointing=True,
+    device="cuda:1", dtype="bfloat16", compile="true", compile_mode="blocks", peak_flops=1e15)
+
+
+def test_every_setting_takes_its_value_from_the_command_line_and_from_a_file(tmp_path):
+    """Each setting set to a value other than its default, as --key=value and as `key = value` in
+    a config file, arrives as that value, of its field's type."""
+    assert NON_DEFAULT.keys() == {f.name for f in dataclasses.fields(TrainConfig)}
+    defaults = load_config([])
+    assert [key for key, value in NON_DEFAULT.items() if getattr(defaults, key) == value] == []
+    from_flags = load_config([f"--{key}={value}" for key, value in NON_DEFAULT.items()])
+    from_file = load_config([write(tmp_path / "all.py", "".join(f"{k} = {v!r}\n" for k, v in NON_DEFAULT.items()))])
+    for cfg in (from_flags, from_file):
+        assert {key: getattr(cfg, key) for key in NON_DEFAULT} == NON_DEFAULT
+        assert [key for key, value in NON_DEFAULT.items() if type(getattr(cfg, key)) is not type(value)] == []
 
 
 @pytest.mark.parametrize("args, words", [
     (["--bogus=1"], ["unknown config key 'bogus'"]),
     (["--max_iters=abc"], ["max_iters must be int"]),
     (["configs/S.py", "configs/L.py"], ["conflicting size"]),
-    (["--debug_nan_at_step=3"], ["debug_nan_at_step was removed", "test-only", "patching train.train_step"]),
 ])
 def test_train_cli_prints_one_error_line_and_exits_2(args, words, capsys):
     one_error_line(train.main, args, capsys, *words)
@@ -257,7 +271,7 @@ def test_help_lists_every_setting_once_under_its_group_with_description_and_defa
 
 
 def test_every_model_setting_reaches_the_model_config_unchanged():
-    """The run's model settings are model.ModelSettings itself (not a copy), and all of them reach
+    """The run's model settings are config.ModelSettings itself (not a copy), and all of them reach
     the GPTConfig that train.py builds: a non-default value of each survives the trip."""
     assert issubclass(TrainConfig, ModelSettings)
     changed = dict(residual="mhclite", n_streams=3, mhclite_perms=4, mhclite_perm_sampling="cover", perm_seed=5,
@@ -283,6 +297,6 @@ def test_a_model_setting_is_checked_once_the_same_from_the_command_line_and_in_c
 
 
 def test_the_size_files_set_only_the_size():
-    """Learning rates live in config.SIZE_LEARNING_RATES only; the size files name the size."""
-    for size in SIZE_LEARNING_RATES:
+    """A size's shape and learning rates live in config.SIZES only; the size files name the size."""
+    for size in SIZES:
         assert [key for key, _ in read_config_file(os.path.join(REPO_DIR, "configs", f"{size}.py"))] == ["size"]

@@ -13,9 +13,10 @@ import torch
 
 import fused
 from benchmarks import step as bench
+from config import DEFAULT_COMPILE_MODE, model_shape
 from conftest import randomise
-from model import GPT, MODEL_SIZES, GPTConfig
-from parallelize import DEFAULT_COMPILE_MODE, compile_model
+from model import GPT, GPTConfig
+from parallelize import compile_model
 from residuals import RESIDUALS, capture_connections
 
 pytestmark = [pytest.mark.cuda,
@@ -29,7 +30,7 @@ BF16_STREAMS = pytest.param("bfloat16", marks=pytest.mark.bf16_streams)
 
 
 def tiny(residual, **overrides):
-    return GPTConfig(block_size=BLOCK, vocab_size=VOCAB, residual=residual, **{**MODEL_SIZES["tiny"], **overrides})
+    return GPTConfig(block_size=BLOCK, vocab_size=VOCAB, residual=residual, **{**model_shape("tiny"), **overrides})
 
 
 def tokens(b=4, seed=0):

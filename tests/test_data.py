@@ -18,7 +18,7 @@ import prepare_shakespeare
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE = "Hello world! First Citizen: Before we proceed any further, hear me speak."
-SAMPLE_IDS = [15496, 995, 0, 3274, 22307, 25, 7413, 356, 5120, 597, 2252, 11, 3285, 502, 2740, 13]  # SPEC §4
+SAMPLE_IDS = [15496, 995, 0, 3274, 22307, 25, 7413, 356, 5120, 597, 2252, 11, 3285, 502, 2740, 13]  # GPT-2's, of SAMPLE
 DOCS = [
     "The quick brown fox jumps over the lazy dog.",
     "Second document\nwith two lines and trailing newline\n",

@@ -117,8 +117,9 @@ def test_the_permutation_set_travels_with_the_weights(hellaswag_runs, tmp_path):
 
 
 def test_the_export_takes_every_model_setting_but_the_training_only_ones():
-    """GPTConfig's fields say themselves whether they change only training (model.setting), so a new
-    model setting reaches the export's config.json with no list to keep."""
+    """The export takes the architecture, the vocabulary and the authors' switches that act on the
+    forward pass (config.py's groups), so a new architecture setting reaches the export's
+    config.json with no list to keep."""
     training_only = {"dropout", "recompute_connections", "fused_connections", "init_stream", "init_stream_seed",
                      "connection_weight_decay"}
     config = GPTConfig(residual="mhclite", mixing_dtype="autocast", rms_eps=0.0, dropout=0.1)

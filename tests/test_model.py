@@ -5,7 +5,8 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 import parallelize
-from model import GPT, MODEL_SIZES, GPTConfig, model_shape
+from config import model_shape
+from model import GPT, GPTConfig
 from parallelize import compile_model, cpu_inductor_options, shares_compiled_sinkhorn
 from residuals import capture_connections
 
@@ -13,7 +14,7 @@ VOCAB, BLOCK = 97, 32
 
 
 def tiny(residual="res", **overrides):
-    return GPTConfig(block_size=BLOCK, vocab_size=VOCAB, residual=residual, **{**MODEL_SIZES["tiny"], **overrides})
+    return GPTConfig(block_size=BLOCK, vocab_size=VOCAB, residual=residual, **{**model_shape("tiny"), **overrides})
 
 
 def tokens(b=2, t=BLOCK, seed=0):
@@ -138,7 +139,7 @@ def test_weight_decay_groups_follow_spec():
 ])
 def test_config_errors_are_one_line(overrides, message):
     with pytest.raises(ValueError, match=message) as error:
-        GPT(GPTConfig(**{**MODEL_SIZES["tiny"], "block_size": 8, "vocab_size": 11, **overrides}))
+        GPT(GPTConfig(**{**model_shape("tiny"), "block_size": 8, "vocab_size": 11, **overrides}))
     assert "\n" not in str(error.value)
 
 

@@ -75,7 +75,7 @@ def connections(model):
 
 
 def paper_init_output(residual, n, wrapper_index, x):
-    """What a connection at the paper's init (SPEC section 2) computes with the identity as branch.
+    """What a connection at the paper's init (Sec. 4, Initialization) computes with the identity as branch.
     Zero projections leave only the biases and static parts: stream k = wrapper_index mod n is read,
     h_res is the identity (hc), Sinkhorn of exp(0 on the diagonal, -8 off it) (mhc), or the
     softmax over permutations with logit 0 for the identity and -8 for the rest (mhclite)."""

@@ -1,4 +1,4 @@
-"""The connection modules against SPEC section 2: exactness, Sinkhorn behaviour, init, capture."""
+"""The connection modules against the paper's math (Sec. 2 and 3.2): exactness, Sinkhorn behaviour, init, capture."""
 
 import math
 
@@ -26,7 +26,7 @@ def rms_norm(x, gain):
 
 
 # ----------------------------------------------------------------------------------------------
-# Literal transcriptions of SPEC section 2, one token at a time, as the reference.
+# Literal transcriptions of the paper's equations (Sec. 2 and 3.2), one token at a time, as the reference.
 
 
 def reference_manifold(module, x, h_res_fn):

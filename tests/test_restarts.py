@@ -18,7 +18,7 @@ import torch
 
 import checkpoint
 import train
-from checkpoint import load_checkpoint, save_failure_line
+from checkpoint import load_checkpoint, save_failure_line, single_file
 from config import REPO_DIR, load_config
 from conftest import assert_one_error_line
 from slurm import standin as slurm
@@ -305,7 +305,7 @@ def test_a_full_disk_warns_ahead_then_fails_the_save_in_one_line_and_keeps_the_l
 def fail_second_save(monkeypatch, fault, folder):
     """Let the first save_checkpoint through; in the second, once torch's writer has written 4 KB
     into the temporary file, call fault(folder) from inside its next write."""
-    real_temp_file, calls = checkpoint._locked_temp_file, []
+    real_temp_file, calls = single_file._locked_temp_file, []
 
     class FaultyFile:
         def __init__(self, f):
@@ -331,7 +331,7 @@ def fail_second_save(monkeypatch, fault, folder):
         calls.append(tmp_path)
         return (FaultyFile(f) if len(calls) == 2 else f), tmp_path
 
-    monkeypatch.setattr(checkpoint, "_locked_temp_file", temp_file)
+    monkeypatch.setattr(single_file, "_locked_temp_file", temp_file)
 
 
 def disk_full(folder):

@@ -1,4 +1,4 @@
-"""The sharded mode (train.py --parallel=fsdp, parallelize.py) and its checkpoints (checkpoint.py)
+"""The sharded mode (train.py --parallel=fsdp, parallelize.py) and its checkpoints (checkpoint/sharded.py)
 on CPU with gloo: two sharded processes train as one process does, a sharded run cut by SIGTERM
 resumes on two or one processes on its trajectory, its checkpoint serves sample.py, the export
 and the collector, mhclite stays exact under the bf16 policy, and bad input, damaged or unsafe
@@ -28,9 +28,10 @@ import export_hf
 import sample
 import train
 from analysis.collect import collect
-from checkpoint import CheckpointError, load_model, save_sharded
-from config import REPO_DIR
+from checkpoint import CheckpointError, CheckpointManager, SaveError, TrainState, load_model
+from config import REPO_DIR, load_config
 from conftest import assert_one_error_line, one_error_line, randomise
+from devices import World
 from model import GPT, GPTConfig
 from parallelize import apply_fsdp
 from residuals import capture_connections
@@ -259,15 +260,23 @@ def test_fused_connections_shard_with_their_block(process_group, monkeypatch):
 
 
 def test_a_failed_or_killed_save_keeps_the_previous_checkpoint(process_group, tmp_path, monkeypatch):
+    """Saved as train.py saves (CheckpointManager): a save that fails, in run.pt or in the shards,
+    is one SaveError line and leaves the link on the previous checkpoint, and a killed save's
+    folder is no checkpoint."""
     config = GPTConfig(block_size=16, vocab_size=40, n_layer=1, n_head=2, n_embd=32, residual="hc")
     model = apply_fsdp(randomise(GPT(config), 0.1))
     optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu")
     link = str(tmp_path / "ckpt.dcp")
+    cfg = load_config(["--residual=hc", "--parallel=fsdp", f"--out_dir={tmp_path}"])
+    world = World(ddp=True, rank=0, size=1, device=torch.device("cpu"), sharded=True)
+    manager = CheckpointManager(cfg, world, log=lambda line: None)
+    state = TrainState(model, optimizer, torch.Generator())
 
-    def run_state(step):
-        return dict(model_args=vars(config), config=dict(residual="hc"), step=step)
+    def save(step):
+        state.step = step
+        manager.save(state, stopping=True)  # a stop's save: complete on return
 
-    save_sharded(link, model, optimizer, run_state(1))
+    save(1)
     saved = {k: v.clone() for k, v in load_model(link)[0].state_dict().items()}
     with torch.no_grad():
         for p in model.parameters():
@@ -276,14 +285,17 @@ def test_a_failed_or_killed_save_keeps_the_previous_checkpoint(process_group, tm
     def disk_full(*args):
         raise OSError(28, "No space left on device")
 
+    kept = f"{link} keeps the checkpoint of step 1"
     with monkeypatch.context() as mp:
-        mp.setattr(checkpoint, "save_checkpoint", disk_full)  # fails after every shard is written
-        with pytest.raises(OSError):
-            save_sharded(link, model, optimizer, run_state(2))
+        mp.setattr(checkpoint.sharded, "save_checkpoint", disk_full)  # run.pt, before any shard
+        with pytest.raises(SaveError, match="the disk is full") as failed:
+            save(2)
+        assert kept in str(failed.value)
     with monkeypatch.context() as mp:
         mp.setattr(dcp.FileSystemWriter, "write_data", disk_full)  # fails while writing shards
-        with pytest.raises(OSError, match="No space left"):
-            save_sharded(link, model, optimizer, run_state(3))
+        with pytest.raises(SaveError, match="the disk is full") as failed:
+            save(3)
+        assert kept in str(failed.value)
     # a save killed mid-way leaves a folder of shards and no index
     (tmp_path / "ckpt.dcp.4").mkdir()
     (tmp_path / "ckpt.dcp.4" / "__0_0.distcp").write_bytes(b"\0" * 100)
@@ -292,7 +304,8 @@ def test_a_failed_or_killed_save_keeps_the_previous_checkpoint(process_group, tm
     assert os.readlink(link) == "ckpt.dcp.1" and not (tmp_path / "ckpt.dcp.2").exists()
     reloaded, ckpt = load_model(link)
     assert ckpt["step"] == 1 and all(torch.equal(saved[k], v) for k, v in reloaded.state_dict().items())
-    save_sharded(link, model, optimizer, run_state(5))
+    save(5)
+    manager.close()
     assert sorted(os.listdir(tmp_path)) == ["ckpt.dcp", "ckpt.dcp.5"]
     assert checkpoint.has_checkpoint(str(link)) and checkpoint.find_checkpoint(str(tmp_path)) == str(link)
 
@@ -392,7 +405,7 @@ def test_a_sharded_save_writes_while_training_goes_on(runs, data_dir, tmp_path, 
     one-process run does, every checkpoint complete; with DCP's stager kept from save to save, and
     with a new one per save, as torch versions whose stager closes itself after one save need."""
     if stager == "one per save":
-        monkeypatch.setattr(checkpoint, "STAGER_REUSE_TORCH", (99,))
+        monkeypatch.setattr(checkpoint.manager, "STAGER_REUSE_TORCH", (99,))
     stepped, overlapped = threading.Event(), []
     real_write, real_step = dcp.FileSystemWriter.write_data, train.train_step
 

@@ -1,6 +1,7 @@
-"""train.py and checkpoint.py end to end on CPU: a tiny model on a tiny char-level corpus written
+"""train.py and the checkpoint package end to end on CPU: a tiny model on a tiny char-level corpus written
 into tmp_path. Covers the four variants, exact resume, 2-process DDP equivalence, SIGTERM, a
 non-finite loss, damaged checkpoints and the one-line errors."""
+import io
 import json
 import math
 import os
@@ -15,9 +16,10 @@ import pytest
 import torch
 
 import train
-from checkpoint import CheckpointError, CheckpointManager, load_checkpoint, load_model, save_checkpoint
+from checkpoint import CheckpointError, CheckpointManager, TrainState, load_checkpoint, load_model, save_checkpoint
 from config import REPO_DIR, load_config
 from conftest import assert_one_error_line, one_error_line
+from model import GPT, GPTConfig
 
 TRAIN_KEYS = {"step", "train_loss", "lr", "grad_norm", "tokens_per_s", "step_ms", "mfu"}
 EVAL_KEYS = {"step", "eval_train_loss", "val_loss"}
@@ -99,6 +101,39 @@ def test_save_checkpoint_is_atomic(tmp_path):
         save_checkpoint(path, {"step": 2, "bad": lambda: None})  # fails while pickling
     assert torch.load(path, weights_only=True)["step"] == 1
     assert os.listdir(tmp_path) == ["ckpt.pt"]
+
+
+def test_a_train_state_continues_from_its_state_dict():
+    """TrainState.state_dict() is what a checkpoint holds of the run, loadable with weights_only;
+    load_state_dict() into another state continues it: the next step is the same step."""
+    config = GPTConfig(block_size=8, vocab_size=11, n_layer=1, n_head=2, n_embd=16, residual="mhclite")
+    tokens = torch.randint(0, 11, (2, 8), generator=torch.Generator().manual_seed(1))
+
+    def fresh(seed):
+        torch.manual_seed(seed)
+        model = GPT(config)
+        return TrainState(model, model.configure_optimizers(0.1, 1e-2, (0.9, 0.95), "cpu"),
+                          train.make_generator(seed, train.TRAIN_STREAM))
+
+    def train_step(state):
+        state.model(tokens, tokens)[1].backward()
+        state.optimizer.step()
+        state.optimizer.zero_grad(set_to_none=True)
+        state.step += 1
+        return torch.randint(100, (4,), generator=state.train_generator)  # the data position moves
+
+    state = fresh(0)
+    train_step(state)
+    state.best_val_loss = 2.5
+    buffer = io.BytesIO()
+    torch.save(state.state_dict(), buffer)
+    buffer.seek(0)
+    resumed = fresh(1)
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    assert (resumed.step, resumed.best_val_loss) == (1, 2.5)
+    assert torch.equal(train_step(resumed), train_step(state))
+    for (name, p), q in zip(state.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(p, q), name
 
 
 def test_damaged_or_foreign_files_are_one_clear_line(tmp_path):

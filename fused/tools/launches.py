@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from fused import connection_forward, ops
-from model import STREAM_DTYPES, GPTConfig, connection_options
+from config import STREAM_DTYPES
+from model import GPTConfig, connection_options
 from residuals import RESIDUALS
 
 

@@ -55,10 +55,6 @@ SM_QUARTERS = 4  # each quarter of an SM holds a quarter of the register file an
 RESOURCES = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 
 
-class ToolError(Exception):
-    """Something the compilation needs is not there."""
-
-
 def missing_tool():
     """Why kernels cannot be compiled here, or None."""
     if not TRITON_AVAILABLE:

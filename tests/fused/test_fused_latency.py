@@ -2,6 +2,7 @@
 the calibration's agreement measure, on made-up kernels (the compilation for sm_90 is the resource
 check's: tests/fused/test_fused_resources.py)."""
 
+import collections
 import json
 import math
 import os
@@ -138,16 +139,23 @@ def test_the_step_prediction_swaps_the_measured_kernels_for_the_predicted_ones_a
     assert prediction["x_res_at_dram"] == pytest.approx(35.2 / 30.0)
 
 
-def test_the_calibration_file_holds_the_kernels_that_were_timed():
-    """Every GPU time of docs/benchmarks.md the model is fitted to, with a complete profile."""
+def test_the_calibration_file_holds_what_the_step_prediction_needs():
+    """step_predictions swaps the connection kernels of the measured fused step for today's: for
+    each stream dtype of that step, its run holds one untiled time of every kernel the step ran
+    (none counted twice), forward and backward, the same kernels in both dtypes; the tiled rows
+    are tries of those kernels; every row, of any run, has a time and a complete profile to fit."""
     with open(latency.CALIBRATION, encoding="utf-8") as f:
         data = json.load(f)
-    rows = [r for r in data["rows"] if r["run"] == data["steps"]["run"]]  # the H200's, whose step is known
-    assert len(rows) == 14 and {r["stream_dtype"] for r in rows} == {"float32", "bfloat16"}
-    assert sum(1 for r in rows if "tile" not in r) == 8  # four kernels, two stream dtypes
+    steps = data["steps"]
+    rows = [r for r in data["rows"] if r["run"] == steps["run"]]
+    untiled = collections.Counter((r["stream_dtype"], r["kernel"]) for r in rows if "tile" not in r)
+    assert set(untiled.values()) == {1}
+    kernels = {dtype: {k for d, k in untiled if d == dtype} for dtype in steps["fused_ms"]}
+    assert set(kernels) == {"float32", "bfloat16"} and kernels["float32"] == kernels["bfloat16"]
+    assert {"pre_kernel", "post_kernel"} < kernels["float32"] and any("backward" in k for k in kernels["float32"])
+    assert all(r["kernel"] in kernels[r["stream_dtype"]] and r["programs"] > 0 for r in rows if "tile" in r)
     keys = set(latency.profile(counts(), "k", (128,), resources(), TOKENS))
-    assert all(keys <= set(r["profile"]) for r in data["rows"])
-    assert set(data["steps"]["fused_ms"]) == {"float32", "bfloat16"}
+    assert all(r["us"] > 0 and keys <= set(r["profile"]) for r in data["rows"])
 
 
 def gpu_check_folder(folder, dry_run=False, tokens=TOKENS, modelled="NVIDIA H100 80GB HBM3"):

@@ -83,8 +83,8 @@ def packed_parameters(residual, width, seed=0):
 
 
 def reference_pre(x, weight, scale, bias, perm_matrices, variant, iters, bf16_operands):
-    """(u, h_pre, h_post, h_res, z, rms_inv) of connection_pre in float64, from SPEC's formulas;
-    the GEMM operands rounded to bf16 when bf16_operands."""
+    """(u, h_pre, h_post, h_res, z, rms_inv) of connection_pre in float64, from the paper's formulas
+    (Sec. 2, eq. skexp; Sec. 3.2); the GEMM operands rounded to bf16 when bf16_operands."""
     operand = round_bf16 if bf16_operands else (lambda t: t)
     x, weight, scale, bias, perm_matrices = (t.double() for t in (x, weight, scale, bias, perm_matrices))
     tokens, n, _ = x.shape

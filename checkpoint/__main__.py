@@ -1,0 +1,3 @@
+from checkpoint.reading import main
+
+main()
