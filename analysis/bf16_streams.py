@@ -59,10 +59,11 @@ def compare(rows):
         if not val["float32"] or not val["bfloat16"]:
             continue
         diff, noise = mean_and_noise(list(val["bfloat16"].values()), list(val["float32"].values()))
+        one_seed = min(len(v) for v in val.values()) < 2
         paired = {s: val["bfloat16"][s] - val["float32"][s] for s in sorted(val["float32"]) if s in val["bfloat16"]}
         spread = max(float(np.std(list(v.values()), ddof=1)) if len(v) > 1 else math.nan for v in val.values())
-        comparisons.append(dict(variant=variant, diff=diff, noise=noise, seed_spread=spread, paired=paired,
-                                within=abs(diff) <= noise if len(val["float32"]) > 1 else None))
+        comparisons.append(dict(variant=variant, diff=diff, noise=math.nan if one_seed else noise, seed_spread=spread,
+                                paired=paired, within=None if one_seed else abs(diff) <= noise))
     return comparisons
 
 
@@ -74,7 +75,7 @@ def table_markdown(summary, comparisons):
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for e in summary:
         c = by_variant.get(e["variant"]) if e["stream_dtype"] == "bfloat16" else None
-        diff = f"{c['diff']:+.4f} (±{c['noise']:.4f})" if c else ""
+        diff = "" if not c else f"{c['diff']:+.4f}" + ("" if c["within"] is None else f" (±{c['noise']:.4f})")
         paired = ", ".join(f"{d:+.4f}" for d in c["paired"].values()) if c else ""
         lines.append(f"| {VARIANT_NAMES[e['variant']]} | {DTYPE_NAMES[e['stream_dtype']]} | "
                      f"{e['diverged']}/{len(e['seeds'])} | {fmt(e, 'val_loss', 4)} | {diff} | {paired} | "
@@ -94,7 +95,9 @@ def plot_grad_norm(rows, variants, path):
             for r in sorted((r for r in rows if (r["variant"], r["stream_dtype"]) == (variant, dtype)),
                             key=lambda r: r["seed"]):
                 steps, norms = zip(*r["grad_norm_curve"])
-                ax.plot(steps, norms, color=DTYPE_COLORS[dtype], linewidth=0.8, alpha=0.8,
+                wide = dtype == "float32"  # drawn wide beneath the bf16 line, which often covers it
+                ax.plot(steps, norms, color=DTYPE_COLORS[dtype], linewidth=2.0 if wide else 0.7,
+                        alpha=0.45 if wide else 0.9,
                         linestyle=LINESTYLES[seeds.index(r["seed"]) % len(LINESTYLES)],
                         label=f"{DTYPE_NAMES[dtype]} streams, seed {r['seed']}")
         ax.set_yscale("log")
@@ -123,6 +126,7 @@ def plot_colsum(rows, variants, path):
             ticks.append(x)
             labels.append(f"{VARIANT_NAMES[variant]}\n{DTYPE_NAMES[dtype]}")
     ax.set_xticks(ticks, labels)
+    ax.set_xlim(min(ticks) - 0.7, max(ticks) + 0.7)
     ax.set_yscale("log")
     ax.set_ylabel("max |colsum - 1| of the product of all H_res")
     ax.grid(alpha=0.3, which="both", axis="y")
@@ -138,12 +142,12 @@ def findings(comparisons, summary):
     for c in comparisons:
         name = VARIANT_NAMES[c["variant"]]
         if c["within"] is None:
-            verdict = "one seed, so no seed spread to compare with"
+            verdict = "(one seed: no seed spread to compare with)"
         else:
-            verdict = "within" if c["within"] else "outside"
-            verdict += f" twice the standard error; seed-to-seed std {c['seed_spread']:.4f}"
-        lines.append(f"- {name}: final val loss bf16 minus fp32 streams {c['diff']:+.4f} ± {c['noise']:.4f} (2σ), "
-                     f"{verdict}; per seed {', '.join(f'{d:+.4f}' for d in c['paired'].values())}.")
+            verdict = (f"± {c['noise']:.4f} (2σ), {'within' if c['within'] else 'outside'} it; seed-to-seed std "
+                       f"{c['seed_spread']:.4f}")
+        lines.append(f"- {name}: final val loss bf16 minus fp32 streams {c['diff']:+.4f} {verdict}; per seed "
+                     f"{', '.join(f'{d:+.4f}' for d in c['paired'].values())}.")
     for variant in VARIANTS:
         es = {e["stream_dtype"]: e for e in summary if e["variant"] == variant}
         if len(es) == 2 and not math.isnan(es["float32"]["product_col_dev"]):

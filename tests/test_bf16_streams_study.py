@@ -37,6 +37,8 @@ def test_compare_gives_the_difference_of_means_its_noise_and_the_paired_differen
     far = [row("mhc", "float32", s, v) for s, v in enumerate(fp32)] + \
           [row("mhc", "bfloat16", s, v + 0.2) for s, v in enumerate(fp32)]
     assert bf16_streams.compare(far)[0]["within"] is False
+    (one,) = bf16_streams.compare([row("mhc", "float32", 0, 2.5), row("mhc", "bfloat16", 0, 2.6)])
+    assert one["diff"] == pytest.approx(0.1) and one["within"] is None and math.isnan(one["noise"])  # no spread
 
 
 @pytest.mark.slow
@@ -60,6 +62,7 @@ def test_smallest_study_trains_both_stream_dtypes_and_writes_its_page(tmp_path):
 
     study = json.loads((docs / "bf16_streams.json").read_text())
     (c,) = study["comparisons"]
+    assert c["within"] is None  # one seed
     assert c["diff"] == pytest.approx(val["bfloat16"] - val["float32"])
     assert c["paired"] == pytest.approx({"0": val["bfloat16"] - val["float32"]})
     for r in study["rows"]:
