@@ -49,9 +49,10 @@ def summarise(rows):
 
 
 def compare(rows):
-    """Per variant with both stream dtypes: final val loss bf16 minus fp32 (difference of the means and
-    twice its standard error), the per-seed differences (a seed's two runs see the same batches) and
-    the seed-to-seed spread (std over seeds, the larger of the two dtypes)."""
+    """Per variant with both stream dtypes: final val loss bf16 minus fp32 (difference of the means),
+    twice its standard error from the seed-to-seed spread (noise), the per-seed differences (a seed's
+    two runs see the same batches) and twice the standard error of their mean (paired_noise), and the
+    seed-to-seed spread (std over seeds, the larger of the two dtypes)."""
     comparisons = []
     for variant in VARIANTS:
         val = {d: {r["seed"]: r["val_loss"] for r in rows if (r["variant"], r["stream_dtype"]) == (variant, d)
@@ -61,21 +62,26 @@ def compare(rows):
         diff, noise = mean_and_noise(list(val["bfloat16"].values()), list(val["float32"].values()))
         one_seed = min(len(v) for v in val.values()) < 2
         paired = {s: val["bfloat16"][s] - val["float32"][s] for s in sorted(val["float32"]) if s in val["bfloat16"]}
+        differences = list(paired.values())
+        paired_noise = (2 * float(np.std(differences, ddof=1)) / math.sqrt(len(differences))
+                        if len(differences) > 1 else math.nan)
         spread = max(float(np.std(list(v.values()), ddof=1)) if len(v) > 1 else math.nan for v in val.values())
         comparisons.append(dict(variant=variant, diff=diff, noise=math.nan if one_seed else noise, seed_spread=spread,
-                                paired=paired, within=None if one_seed else abs(diff) <= noise))
+                                paired=paired, paired_noise=paired_noise,
+                                within=None if one_seed else abs(diff) <= noise))
     return comparisons
 
 
 def table_markdown(summary, comparisons):
     by_variant = {c["variant"]: c for c in comparisons}
-    lines = ["| variant | streams | diverged | final val loss | bf16 - fp32 (2σ) | per seed | spikes | "
-             "max grad norm | median grad norm | max abs(colsum-1), per matrix | max abs(colsum-1), product | "
-             "median abs(colsum-1), product |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| variant | streams | diverged | final val loss | bf16 - fp32 | 2σ, seeds | 2σ, paired | per seed | "
+             "spikes | max grad norm | median grad norm | max abs(colsum-1), per matrix | "
+             "max abs(colsum-1), product | median abs(colsum-1), product |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    two_sigma = lambda value: "-" if math.isnan(value) else f"±{value:.4f}"  # noqa: E731
     for e in summary:
         c = by_variant.get(e["variant"]) if e["stream_dtype"] == "bfloat16" else None
-        diff = "" if not c else f"{c['diff']:+.4f}" + ("" if c["within"] is None else f" (±{c['noise']:.4f})")
+        diff = f"{c['diff']:+.4f} | {two_sigma(c['noise'])} | {two_sigma(c['paired_noise'])}" if c else " | | "
         paired = ", ".join(f"{d:+.4f}" for d in c["paired"].values()) if c else ""
         lines.append(f"| {VARIANT_NAMES[e['variant']]} | {DTYPE_NAMES[e['stream_dtype']]} | "
                      f"{e['diverged']}/{len(e['seeds'])} | {fmt(e, 'val_loss', 4)} | {diff} | {paired} | "
@@ -144,8 +150,10 @@ def findings(comparisons, summary):
         if c["within"] is None:
             verdict = "(one seed: no seed spread to compare with)"
         else:
-            verdict = (f"± {c['noise']:.4f} (2σ), {'within' if c['within'] else 'outside'} it; seed-to-seed std "
-                       f"{c['seed_spread']:.4f}")
+            verdict = (f"± {c['noise']:.4f} (2σ from the seed-to-seed spread, std {c['seed_spread']:.4f}): "
+                       f"{'within' if c['within'] else 'outside'} it; ± {c['paired_noise']:.4f} (2σ of the seeds' "
+                       f"paired differences): {'not ' if abs(c['diff']) <= c['paired_noise'] else ''}"
+                       "distinguishable from zero")
         lines.append(f"- {name}: final val loss bf16 minus fp32 streams {c['diff']:+.4f} {verdict}; per seed "
                      f"{', '.join(f'{d:+.4f}' for d in c['paired'].values())}.")
     for variant in VARIANTS:
@@ -196,12 +204,14 @@ def write_study(run_paths, out_dir, command, num_seqs=16, seq_len=128, spike_fac
           f"compile={first['compile']}, seeds {seeds}.\n",
           "Final val loss: the last evaluation, on the same "
           f"{first['eval_iters']} x {first['batch_size']} x {first['block_size']} val tokens for both stream dtypes "
-          "of a seed. bf16 - fp32: difference of the means over seeds and twice its standard error (2σ); per seed: "
-          "the difference of the seed's two runs. Spikes: steps whose gradient norm (before clipping) exceeds "
-          f"{spike_factor:g} x the median of the {spike_window} steps before it; max and median gradient norm "
-          "over the steps after warm-up. Column sums: every H_res (per matrix) and the product of all H_res over "
-          f"depth, per token, on the first {num_seqs} x {seq_len} tokens of the val split, from each final "
-          "checkpoint, as in the depth study. Values are mean ± std over seeds.\n",
+          "of a seed. bf16 - fp32: difference of the means over seeds; per seed: the difference of the seed's "
+          "two runs; 2σ, seeds: twice the standard error of the difference of the means from the seed-to-seed "
+          "spread (is bf16 - fp32 larger than what changing the seed does?); 2σ, paired: twice the standard error "
+          "of the mean of the per-seed differences (is it distinguishable from zero?). Spikes: steps whose "
+          f"gradient norm (before clipping) exceeds {spike_factor:g} x the median of the {spike_window} steps "
+          "before it; max and median gradient norm over the steps after warm-up. Column sums: every H_res (per "
+          f"matrix) and the product of all H_res over depth, per token, on the first {num_seqs} x {seq_len} tokens "
+          "of the val split, from each final checkpoint, as in the depth study. Values are mean ± std over seeds.\n",
           "## Findings (computed from the runs)\n",
           *findings(comparisons, summary), "",
           "![gradient norms, fp32 and bf16 streams](bf16_streams_grad_norm.png)\n",

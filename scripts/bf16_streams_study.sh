@@ -71,7 +71,8 @@ done
 wall_s=$((SECONDS - start))
 echo "trainings: $wall_s s wall"
 
-study_command="bash scripts/bf16_streams_study.sh --residuals \"$residuals\" --seeds \"$seeds\" --depth $depth --steps $steps"
+study_command="bash scripts/bf16_streams_study.sh --residuals \"$residuals\" --seeds \"$seeds\" --depth $depth"
+study_command+=" --steps $steps"
 if [ ${#overrides[@]} -gt 0 ]; then
     study_command+=" -- ${overrides[*]}"
 fi

@@ -32,13 +32,15 @@ def test_compare_gives_the_difference_of_means_its_noise_and_the_paired_differen
     assert c["diff"] == pytest.approx(np.mean(bf16) - np.mean(fp32))
     assert c["noise"] == pytest.approx(2 * math.sqrt(np.var(bf16) / 3 + np.var(fp32) / 3))
     assert c["paired"] == pytest.approx({0: 0.01, 1: -0.02, 2: 0.03})
+    assert c["paired_noise"] == pytest.approx(2 * np.std([0.01, -0.02, 0.03], ddof=1) / math.sqrt(3))
     assert c["seed_spread"] == pytest.approx(max(np.std(fp32, ddof=1), np.std(bf16, ddof=1)))
     assert c["within"] is True
     far = [row("mhc", "float32", s, v) for s, v in enumerate(fp32)] + \
           [row("mhc", "bfloat16", s, v + 0.2) for s, v in enumerate(fp32)]
     assert bf16_streams.compare(far)[0]["within"] is False
     (one,) = bf16_streams.compare([row("mhc", "float32", 0, 2.5), row("mhc", "bfloat16", 0, 2.6)])
-    assert one["diff"] == pytest.approx(0.1) and one["within"] is None and math.isnan(one["noise"])  # no spread
+    assert one["diff"] == pytest.approx(0.1) and one["within"] is None and math.isnan(one["noise"])
+    assert math.isnan(one["paired_noise"])  # no spread
 
 
 @pytest.mark.slow
