@@ -44,6 +44,7 @@ def test_compare_gives_the_difference_of_means_its_noise_and_the_paired_differen
 
 
 @pytest.mark.slow
+@pytest.mark.bf16_streams
 def test_smallest_study_trains_both_stream_dtypes_and_writes_its_page(tmp_path):
     runs, docs = tmp_path / "runs", tmp_path / "docs"
     env = dict(os.environ, SETUP_ENV_PYTHON=sys.executable, OMP_NUM_THREADS="1")
