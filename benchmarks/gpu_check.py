@@ -58,10 +58,11 @@ PARTS = ("tests", "bench", "train", "others", "kernels", "sharded")
 QUICK_LIMITS = {"tests": 75, "bench": 210, "train": 195, "others": 90, "kernels": 120}
 QUICK_MINUTES = 8
 MIN_PART_SECONDS = 60
-# mhclite's connection paths: its row in bench.py's output and train.py's flags.
+# mhclite's connection paths, those that decide the default first: its row in bench.py's output and
+# train.py's flags.
 PATHS = {"reference": ("mhclite", []),
-         "reference + bf16 streams": ("mhclite+bf16", ["--stream_dtype=bfloat16"]),
          "fused": ("mhclite+fused", ["--fused_connections=True"]),
+         "reference + bf16 streams": ("mhclite+bf16", ["--stream_dtype=bfloat16"]),
          "fused + bf16 streams": ("mhclite+fused+bf16", ["--fused_connections=True", "--stream_dtype=bfloat16"])}
 LOSS_TOLERANCE = 2e-3  # the most a step's loss may differ from the reference path's (fp32 streams)
 KERNEL_MARGIN = 0.05  # how much faster than the reference path the kernels must be to be worth their code
