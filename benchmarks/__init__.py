@@ -8,5 +8,5 @@
     python -m benchmarks.checkpoint_cost      # seconds and bytes of a checkpoint save and load
     python -m benchmarks.kernels              # each fused kernel alone (GPU)
     python -m benchmarks.kernel_counters      # each fused kernel's hardware counters (GPU, Nsight Compute)
-    python -m benchmarks.gpu_check            # tests, step benchmark, training and fused kernels on a GPU
+    python -m benchmarks.gpu_check quick      # on a GPU: the connection paths measured, the default they decide
 """

@@ -195,7 +195,7 @@ def resolve_shared_flags(args):
         args.dtype = "bfloat16" if args.device_type == "cuda" else "float32"
     if args.device_type == "cuda" and args.dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
         raise BenchError("this GPU does not support bfloat16; use --dtype float32")
-    args.interpret_on_cpu = (getattr(args, "fused_connections", "off") == "on" and args.device_type == "cpu"
+    args.interpret_on_cpu = (getattr(args, "fused_connections", "off") != "off" and args.device_type == "cpu"
                              and os.environ.get("TRITON_INTERPRET") == "1")
     if args.interpret_on_cpu:
         from fused.tools.interpreter import interpret_on_cpu

@@ -6,6 +6,7 @@ Its command is the top-level bench.py:
     python bench.py --size tiny --device cpu --n_sweep 4,6,8 --k_sweep 8,32,128   # mhclite (K perms) vs mhc per n
     python bench.py --size tiny --device cpu --compile on --compile_mode both     # whole model vs block by block
     python bench.py --size S --device cpu --activation_checkpointing both         # what checkpointing costs and saves
+    python bench.py --size M --recompute off --fused_connections both --stream_dtype both   # every connection path
 
 Every variant lives in this one process. Round r runs one training step (train.py's) of every
 variant in an order rotated by r, and a variant's ratio is the median over rounds of its step time
@@ -25,16 +26,18 @@ from tqdm import tqdm
 
 from devices import autocast_context, peak_flops, synchronize
 from model import GPTConfig
-from config import COMPILE_MODES, DEFAULT_COMPILE_MODE
+from config import COMPILE_MODES, DEFAULT_COMPILE_MODE, STREAM_DTYPES
 from parallelize import compile_model
 from parallelize import apply_ac
 
-from .common import (BLOCKS_SUFFIX, NUM_BATCHES, SHARED_FLAGS, BenchError, add_shared_flag, build_models,
+from .common import (BLOCKS_SUFFIX, NUM_BATCHES, SHARED_FLAGS, BenchError, build_models,
                      environment, fmt, interleaved_times, main_variants, make_optimizer, markdown_table,
                      random_batches, ratio, resolve_shared_flags, same_mode_baselines, summarise, train_step,
                      with_compile_modes, write_json)
 
 AC_SUFFIX = "+ac"  # the variant with activation checkpointing (parallelize.apply_ac)
+# With "both", the HC family's rows with the kernels or bf16 streams carry these suffixes.
+PATH_FLAGS = {"--fused_connections": "+fused", "--stream_dtype": "+bf16"}
 MEMORY_STEPS = 2  # steps measured for a variant's peak memory, after one warm-up step
 MEMORY_BUDGET_FRACTION = 0.85  # of the free GPU memory, for the variants timed side by side
 # Flags that moved out of bench.py, and the command that has them now.
@@ -81,6 +84,22 @@ class Variant:
             for key, value in state.items():
                 if torch.is_tensor(value):
                     state[key] = value.to(device)
+
+
+def path_variants(args, **common):
+    """{name: GPTConfig} of main_variants on each connection path asked for: --fused_connections both
+    and --stream_dtype both add a "+fused" and a "+bf16" (streams) row per HC-family variant."""
+    fused = [False, True] if args.fused_connections == "both" else [args.fused_connections == "on"]
+    stream_dtypes = list(STREAM_DTYPES) if args.stream_dtype == "both" else [args.stream_dtype]
+    configs = {}
+    for fused_connections in fused:
+        for stream_dtype in stream_dtypes:
+            suffix = ((PATH_FLAGS["--fused_connections"] if fused_connections and len(fused) > 1 else "")
+                      + (PATH_FLAGS["--stream_dtype"] if stream_dtype == "bfloat16" and len(stream_dtypes) > 1 else ""))
+            for name, config in main_variants(args.residual_list, args.recompute, stream_dtype=stream_dtype,
+                                              fused_connections=fused_connections, **common).items():
+                configs.setdefault(name if config.residual == "res" else name + suffix, config)
+    return configs
 
 
 def with_activation_checkpointing(configs, setting):
@@ -323,8 +342,10 @@ def parse_args(argv):
         raise BenchError(f"{moved} moved out of bench.py: use {MOVED_FLAGS[moved]}")
     parser = argparse.ArgumentParser(description="Side-by-side benchmark of res, hc, mhc and mhclite.",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for flag in SHARED_FLAGS:
-        add_shared_flag(parser, flag)
+    for flag, options in SHARED_FLAGS.items():
+        if flag in PATH_FLAGS:  # the paths side by side
+            options = dict(options, choices=[*options["choices"], "both"], help=f"{options['help']}; both: a row each")
+        parser.add_argument(flag, **options)
     parser.add_argument("--compile", default="auto", nargs="?", const="on", choices=["auto", "on", "off"],
                         help="torch.compile every model; auto: on for cuda, off on cpu")
     parser.add_argument("--compile_mode", default=DEFAULT_COMPILE_MODE, choices=[*COMPILE_MODES, "both"],
@@ -348,6 +369,9 @@ def resolve(args):
     args.compile_modes = list(COMPILE_MODES) if args.compile_mode == "both" else [args.compile_mode]
     if args.compile_mode == "both" and args.n_sweep:
         raise BenchError("--compile_mode both compares the --residuals variants; run it without --n_sweep")
+    if "both" in (args.fused_connections, args.stream_dtype) and args.n_sweep:
+        raise BenchError("--fused_connections both and --stream_dtype both compare the --residuals variants; "
+                         "run them without --n_sweep")
     if args.activation_checkpointing != "off" and args.n_sweep:
         raise BenchError("--activation_checkpointing compares the --residuals variants; run it without --n_sweep")
     args.peak = peak_flops(args, torch.device(args.device_type), args.dtype)
@@ -359,28 +383,28 @@ def resolve(args):
 
 def run(args, argv):
     device, cuda = torch.device(args.device_type), args.device_type == "cuda"
-    common = dict(shape=args.shape, block_size=args.block_size, vocab_size=args.vocab_size,
-                  stream_dtype=args.stream_dtype, fused_connections=args.fused_connections == "on")
+    common = dict(shape=args.shape, block_size=args.block_size, vocab_size=args.vocab_size)
     result = environment(argv, device, "bench.py")
     result["settings"] = dict(size=args.size, **args.shape, batch_size=args.batch_size, block_size=args.block_size,
                               tokens_per_step=args.batch_size * args.block_size, dtype=args.dtype,
                               compile=args.use_compile, compile_mode=args.compile_mode, steps=args.steps,
                               warmup=args.warmup, recompute=args.recompute, stream_dtype=args.stream_dtype,
                               activation_checkpointing=args.activation_checkpointing,
-                              fused_connections=args.fused_connections == "on", vocab_size=args.vocab_size,
+                              fused_connections=args.fused_connections, vocab_size=args.vocab_size,
                               seed=args.seed, peak_flops=args.peak)
     title = (f"{args.size} ({args.shape['n_layer']}L, {args.shape['n_embd']}d), batch {args.batch_size} x "
              f"{args.block_size}, {args.dtype}, {f'compiled ({args.compile_mode})' if args.use_compile else 'eager'}, "
              f"HC streams {args.stream_dtype}, fused connections {args.fused_connections}, "
              f"{result['device_name']}, torch {torch.__version__}, {args.steps} rounds after {args.warmup} warm-up")
     if args.n_sweep:
-        configs, baselines = sweep_variants(args.n_sweep, args.k_sweep, args.recompute, **common)
+        configs, baselines = sweep_variants(args.n_sweep, args.k_sweep, args.recompute, stream_dtype=args.stream_dtype,
+                                            fused_connections=args.fused_connections == "on", **common)
         modes, checkpointed = {name: args.compile_mode for name in configs}, set()
         result.update(mode="n_sweep", baseline="mhc with the same n")
         heading, baseline_label = "n/K sweep: mhclite vs mhc", "mhc"
     else:
         configs, checkpointed = with_activation_checkpointing(
-            main_variants(args.residual_list, args.recompute, **common), args.activation_checkpointing)
+            path_variants(args, **common), args.activation_checkpointing)
         configs, modes = with_compile_modes(configs, args.compile_modes if args.use_compile else COMPILE_MODES[:1])
         checkpointed = {name for name in configs if name.removesuffix(BLOCKS_SUFFIX) in checkpointed}
         baselines = same_kind_baselines(configs, "res")

@@ -156,6 +156,7 @@ def test_checkpointing_rows_keep_less_and_compare_to_the_same_variant_without(tm
     (["--residuals", "res,foo"], "error: unknown residual 'foo'; valid: res, hc, mhc, mhclite"),
     (["--size", "XXL"], "error: unknown size 'XXL'"),
     (["--n_sweep", "3", "--activation_checkpointing", "on"], "error: --activation_checkpointing compares the"),
+    (["--n_sweep", "3", "--stream_dtype", "both"], "error: --fused_connections both and --stream_dtype both compare"),
     (["--steps", "0"], "error: --steps must be >= 1"),
     (["--n_sweep", "6", "--k_sweep", "800"], "error: no mhclite permutation budget K <= 6! = 720"),
     (["--warmup", "-1"], "error: --warmup must be >= 0"),
@@ -225,6 +226,21 @@ def test_memory_probe_and_timing_share_one_compile_per_variant(monkeypatch, tmp_
     assert len(probed) == 4 and probed[0] > 0 and graph_counter.graphs == probed[-1]
     assert all(row["cuda_peak_bytes"] > row["params"] * 4 for row in rows.values())
     assert rows["mhclite/blocks"]["compile_mode"] == "blocks" and rows["mhclite/blocks"]["blocks_over_model"] > 0
+
+
+@pytest.mark.parametrize("flags, rows", [
+    ([], {"res": ("float32", False), "mhclite": ("float32", False)}),
+    (["--fused_connections", "on", "--stream_dtype", "bfloat16"], {"res": ("float32", False),
+                                                                   "mhclite": ("bfloat16", True)}),
+    (["--fused_connections", "both", "--stream_dtype", "both"], {
+        "res": ("float32", False), "mhclite": ("float32", False), "mhclite+bf16": ("bfloat16", False),
+        "mhclite+fused": ("float32", True), "mhclite+fused+bf16": ("bfloat16", True)}),
+])
+def test_both_puts_each_connection_path_in_a_row_of_its_own(flags, rows):
+    """--fused_connections both and --stream_dtype both: a row per path, in one process; res stays nanoGPT's."""
+    args = bench.resolve(bench.parse_args(SMALL_FLAGS + ["--residuals", "res,mhclite", "--recompute", "off", *flags]))
+    configs = bench.path_variants(args, shape=args.shape, block_size=args.block_size, vocab_size=args.vocab_size)
+    assert {name: (c.stream_dtype, c.fused_connections) for name, c in configs.items()} == rows
 
 
 def test_bench_runs_bfloat16_streams_for_the_hc_family_only(tmp_path):

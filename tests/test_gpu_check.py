@@ -1,9 +1,9 @@
-"""python -m benchmarks.gpu_check: the CPU dry run of every part at tiny shapes (the GPU runs it at M),
-its summary, and its flags."""
+"""python -m benchmarks.gpu_check: the CPU dry run of quick at tiny shapes (the GPU runs it at M), then
+the other parts into the same folder; the verdict the GPU session acts on; the parts' limits; the flags."""
 
 import json
+from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -23,91 +23,135 @@ def run_check(parts, out, capsys):
 
 
 @pytest.mark.slow
-def test_cpu_dry_run_runs_every_part_and_the_summary_comes_last(tmp_path, capsys):
-    """Every part at tiny shapes on CPU, in two commands on one results folder: the second command's
-    summary also covers the parts of the first."""
+def test_quick_dry_run_then_the_other_parts_into_the_same_folder(tmp_path, capsys, monkeypatch):
+    """quick at tiny shapes on CPU: every part of it in order, at most eight files, the numbers the
+    verdict reads; then the parts quick leaves out, into the same folder, whose summary covers both."""
+    # The limits are an H100's at M; this shared CPU is slower. test_a_part_stopped_... tests them.
+    monkeypatch.setattr(gpu_check, "QUICK_LIMITS", {part: 10 * s for part, s in gpu_check.QUICK_LIMITS.items()})
+    monkeypatch.setattr(gpu_check, "QUICK_MINUTES", 10 * gpu_check.QUICK_MINUTES)
     out = tmp_path / "check"
-    code, printed = run_check(["bench", "tests"], out, capsys)
-    assert code == 0, printed
-    statuses = {part: row[1] for part, row in summary_rows((out / "summary.md").read_text()).items()}
-    assert statuses == {"tests": "ok", "bench": "ok", "train": "not run", "fused": "not run",
-                        "kernels": "not run", "sharded": "not run"}
-    assert printed.index("gpu_check: tests") < printed.index("gpu_check: bench")  # the parts' order
-
-    code, printed = run_check(["train", "fused", "kernels", "sharded"], out, capsys)
+    code, printed = run_check(["quick"], out, capsys)
     summary = (out / "summary.md").read_text()
-    assert printed.rstrip().endswith(summary.rstrip())  # printed last
     assert code == 0, printed
+    assert printed.rstrip().endswith(summary.rstrip())  # printed last
+    labels = ["kernel tests", "bench.py, every path", "train.py, reference", "bench.py, hc and mhc",
+              "fused.tools.latency"]
+    assert [printed.index(f"gpu_check: {label}") for label in labels] == sorted(
+        printed.index(f"gpu_check: {label}") for label in labels)  # the parts' order
+    # no hardware counters without a GPU, so seven of the eight files
+    assert sorted(p.name for p in out.iterdir()) == ["bench.json", "gpu_check.log", "kernels.json", "latency.json",
+                                                      "others.json", "results.json", "summary.md"]
     rows = summary_rows(summary)
-    assert {part: row[1] for part, row in rows.items()} == dict.fromkeys(gpu_check.PARTS, "ok")
-    for name in ["kernels.json", "latency.json", "predicted_times.json", *(f"{part}.log" for part in gpu_check.PARTS)]:
-        assert (out / name).is_file(), name
-    for name, _ in gpu_check.BENCH_RUNS:
-        variants = json.loads(open(gpu_check.bench_json(str(out), name)).read())["variants"]
-        assert variants["mhclite"]["time_ratio"] > 0
-        assert variants["mhclite"]["connections"]["path"] == ("fused" if "fused" in name else "reference"), name
-        assert f"{name} " in rows["bench"][4]
-    assert "passed" in rows["tests"][4] and "32 skipped" in rows["tests"][4]  # test_cuda.py skips on CPU
-    tokens = np.fromfile(out / "data" / "random" / "train.bin", dtype=np.uint16)
-    assert tokens.max() < gpu_check.GPT2_TOKENS and len(np.unique(tokens[:100000])) > 40000
-    for residual in gpu_check.VARIANTS:
-        assert (out / f"train-{residual}" / "done").is_file()
-        assert f"{residual} " in rows["train"][4]
-    # the trained mhclite's H_res is exact; hc's is not doubly stochastic at all
-    errors = {cell.split()[0]: cell.split()[-1] for cell in rows["train"][4].split("; ") if "sum" in cell}
-    assert float(errors["mhclite"]) < 1e-6 < float(errors["hc"])
-    assert rows["kernels"][4].startswith("x copy, us measured / predicted at M: hc float32 ")
-    assert rows["kernels"][4].endswith("; no hardware counters (benchmarks.kernel_counters: kernels.log says why)")
-    assert "skipped: no hardware counters here: needs a CUDA GPU and ncu" in (out / "kernels.log").read_text()
+    assert {part: row[1] for part, row in rows.items()} == {**dict.fromkeys(gpu_check.QUICK_LIMITS, "ok"),
+                                                             "sharded": "not run"}
+    assert rows["tests"][4].startswith("1 passed, 6 skipped in ")  # test_cuda.py's kernel tests skip on CPU
+    results = json.loads((out / "results.json").read_text())
+    # bench.py ran res and mhclite on every path in one process: the fused rows in Triton's interpreter
+    bench = results["bench"]["rows"]
+    assert set(bench) == {"res", *gpu_check.PATHS}
+    assert {path: row["path"] for path, row in bench.items()} == {
+        "res": "reference", "reference": "reference", "reference + bf16 streams": "reference", "fused": "fused",
+        "fused + bf16 streams": "fused"}
+    assert all(row["x_res"] > 0 and row["tokens_per_s"] > 0 for row in bench.values())
+    # train.py takes the reference path on CPU whatever fused_connections says: only bf16 streams move a
+    # loss, and the trained H_res is exact on every path
+    runs = results["train"]["runs"]
+    assert list(runs) == list(gpu_check.PATHS) and all(run["path"] == "reference" for run in runs.values())
+    assert runs["reference"]["difference"] == runs["fused"]["difference"] == 0.0
+    assert 0 < runs["reference + bf16 streams"]["difference"] == runs["fused + bf16 streams"]["difference"] < 1e-2
+    assert all(run["h_res_error"] < 1e-6 for run in runs.values())
+    assert list(results["others"]["rows"]) == ["res", "hc", "mhc"]
+    verdict = summary.splitlines()[-1]
+    assert verdict.startswith("**Verdict**: default on CUDA: reference (")
+    assert "kernels, fp32 streams: did not run (fused_connections=True but: " in verdict
     # every kernel's prediction (python -m fused.tools.latency) is printed beside its time
-    assert all(row["predicted_us_at_m"] > 0 for row in json.loads((out / "kernels.json").read_text())["kernels"]["rows"])
-    # the fused part's training runs, each against the reference's losses; on CPU train.py takes the
-    # reference path whatever fused_connections says, so only the bf16 streams move a loss
-    training = gpu_check.fused_training(str(out))
-    assert list(training) == [name for name, _, _ in gpu_check.FUSED_RUNS]
-    assert all(f"{name} " in rows["fused"][4] for name in training)
-    assert "connections: mhclite reference (fused_connections=True but:" in (out / "fused.log").read_text()
-    assert "difference" not in training["res"] and training["reference"]["difference"] == 0.0
-    assert training["fused"]["difference"] == 0.0 < training["fused + bf16 streams"]["difference"] < 1e-2
-    assert all(run["path"]["path"] == "reference" and run["x_res"] > 0 for run in training.values())
-    assert "; the default here: no fused kernels ran: fused_connections=True but: " in rows["fused"][4]
-    # the sharded part: one process under torchrun, sharded, with and without activation checkpointing,
-    # which recomputes the same forward: the same losses
-    for name, _ in gpu_check.SHARDED_RUNS:
-        run = out / gpu_check.sharded_dir(name)
-        assert (run / "done").is_file() and (run / "ckpt.dcp").is_symlink(), name
-        assert f"{name} " in rows["sharded"][4]
-    losses = [[r["train_loss"] for r in map(json.loads, open(out / gpu_check.sharded_dir(name) / "metrics.jsonl"))
-               if "train_loss" in r] for name, _ in gpu_check.SHARDED_RUNS]
-    assert losses[0] == losses[1] and len(losses[0]) == 4  # every step of the dry run
+    kernel_rows = json.loads((out / "kernels.json").read_text())["kernels"]["rows"]
+    assert {row["residual"] for row in kernel_rows} == {"hc", "mhc", "mhclite"}
+    assert all(row["predicted_us_at_m"] > 0 for row in kernel_rows)
+    assert rows["kernels"][4].endswith("; no hardware counters (benchmarks.kernel_counters: gpu_check.log says why)")
+    assert "skipped: no hardware counters here: needs a CUDA GPU and ncu" in (out / "gpu_check.log").read_text()
+
+    code, printed = run_check(["tests", "sharded"], out, capsys)
+    assert code == 0, printed
+    rows = summary_rows((out / "summary.md").read_text())
+    assert {part: row[1] for part, row in rows.items()} == dict.fromkeys(gpu_check.PARTS, "ok")
+    assert "32 skipped" in rows["tests"][4] and "passed" in rows["tests"][4]  # test_cuda.py skips on CPU
+    assert rows["train"][4] == summary_rows(summary)["train"][4]  # quick's results stay
+    # one process under torchrun, sharded, with and without activation checkpointing, which recomputes
+    # the same forward: the same losses at every step
+    sharded = json.loads((out / "results.json").read_text())["sharded"]["runs"]
+    losses = [run["losses"] for run in sharded.values()]
+    assert list(sharded) == [name for name, _ in gpu_check.SHARDED_RUNS] and losses[0] == losses[1]
+    assert len(losses[0]) == 4
 
 
-@pytest.mark.parametrize("fused_ms, difference, path, verdict", [
-    (50.0, 1e-4, "fused", "yes: faster (0.83 x the reference path), loss within 0.002"),
-    (70.0, 1e-4, "fused", "no: slower (1.17 x the reference path), loss within 0.002"),
-    (50.0, 3e-3, "fused", "no: faster (0.83 x the reference path), a loss 3.0e-03 off"),
-    (50.0, 1e-4, "reference", "no fused kernels ran: why"),
+def test_a_part_stopped_at_its_limit_does_not_stop_the_next(tmp_path, capsys, monkeypatch):
+    """Each part of quick stops at its limit, with its children; the next part still starts, until
+    fewer than MIN_PART_SECONDS of quick's minutes are left; the summary is written all the same."""
+    monkeypatch.setattr(gpu_check, "QUICK_LIMITS", {"tests": 2, "others": 2, "kernels": 60})
+    monkeypatch.setattr(gpu_check, "QUICK_MINUTES", 5 / 60)
+    monkeypatch.setattr(gpu_check, "MIN_PART_SECONDS", 1)
+    out = tmp_path / "check"
+    code, printed = run_check(["quick"], out, capsys)
+    assert code == 1
+    rows = summary_rows((out / "summary.md").read_text())
+    assert {part: row[1] for part, row in rows.items()} == {
+        "tests": "stopped at its limit (2 s)", "bench": "not run", "train": "not run",
+        "others": "stopped at its limit (2 s)", "kernels": "skipped: quick's minutes were spent", "sharded": "not run"}
+    assert "**Verdict**: no verdict: the bench and train parts must both finish" in printed
+    assert (out / "gpu_check.log").read_text().count("stopped at the part's limit of 2 s") == 2
+    running = [cmdline.read_bytes() for cmdline in Path("/proc").glob("[0-9]*/cmdline") if cmdline.is_file()]
+    assert not [cmd for cmd in running if str(out).encode() in cmd]  # bench.py was stopped with the part
+
+
+def bench_row(x_res, path="reference", why="why"):
+    return dict(ms=30.0 * x_res, x_res=x_res, path=path, why=why)
+
+
+def train_run(difference, path="reference", why="why"):
+    return dict(difference=difference, path=path, why=why)
+
+
+def results_with(fused_x_res=1.4, fused_difference=2e-4, fused_took="fused", bf16_fused_x_res=1.2):
+    """Bench and train results of the four paths: the reference path at 1.5 x res (fp32 streams) and 1.35
+    (bf16 streams), the kernels as given."""
+    bench = {"res": bench_row(1.0), "reference": bench_row(1.5), "reference + bf16 streams": bench_row(1.35),
+             "fused": bench_row(fused_x_res, fused_took, "the kernels' reason"),
+             "fused + bf16 streams": bench_row(bf16_fused_x_res, "fused")}
+    runs = {"reference": train_run(0.0), "reference + bf16 streams": train_run(1.2e-2),
+            "fused": train_run(fused_difference, fused_took, "the kernels' reason"),
+            "fused + bf16 streams": train_run(1.2e-2, "fused")}
+    return dict(bench=dict(rows=bench), train=dict(runs=runs))
+
+
+@pytest.mark.parametrize("results, expected", [
+    (results_with(), ["default on CUDA: fused (", "kernels / reference path, fp32 streams: 0.93 (at least 5% faster: "
+                      "yes)", "mhclite, fused: 1.40 x res (target 1.5: met), max abs(loss - reference) 2.0e-04",
+                      "kernels / reference path, bf16 streams: 0.89 (at least 5% faster: yes)",
+                      "mhclite, fused + bf16 streams: 1.20 x res (target 1.3: met), max abs(loss - reference) "
+                      "1.2e-02"]),
+    # faster, but a loss too far from the reference path's: the reference path stays the default
+    (results_with(fused_difference=3e-3), ["default on CUDA: reference (", "mhclite, reference: 1.50 x res (target "
+                                           "1.5: met)", "fp32 streams: 0.93 (at least 5% faster: yes)"]),
+    # faster by less than the margin: the default all the same, and the verdict says so
+    (results_with(fused_x_res=1.45), ["default on CUDA: fused (", "fp32 streams: 0.97 (at least 5% faster: no)"]),
+    # the run asked for the kernels and took the reference path: no kernels to judge
+    (results_with(fused_took="reference"), ["default on CUDA: reference (", "kernels, fp32 streams: did not run (the "
+                                            "kernels' reason)"]),
+    # the fastest path with bf16 streams misses its target
+    (results_with(bf16_fused_x_res=1.38), ["mhclite, reference + bf16 streams: 1.35 x res (target 1.3: missed)",
+                                           "bf16 streams: 1.02 (at least 5% faster: no)"]),
+    ({"bench": dict(rows={"res": bench_row(1.0)})}, ["no verdict: the bench and train parts must both finish"]),
 ])
-def test_the_kernels_are_the_default_only_where_they_ran_faster_and_as_accurate(fused_ms, difference, path, verdict):
-    def run(ms, difference, path):
-        return dict(ms=ms, x_res=ms / 30.0, difference=difference, path=dict(path=path, why="why"))
-    training = {"reference": run(60.0, 0.0, "reference"), "fused": run(fused_ms, difference, path),
-                "fused + bf16 streams": run(40.0, 1e-2, "fused")}
-    assert gpu_check.fused_verdict(training) == verdict
-
-
-def test_help_says_what_each_part_verifies(capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        gpu_check.main(["--help"])
-    assert exit_info.value.code == 0
-    printed = capsys.readouterr().out
-    assert "minutes on one H100 at M" in printed
-    for part in gpu_check.PARTS:
-        assert f"  {part}  " in printed and f"  {gpu_check.H100_MINUTES[part]}  " in printed, part
+def test_the_verdict_picks_the_fastest_path_that_trains_as_the_reference_path_does(results, expected):
+    verdict = gpu_check.verdict(results)
+    for text in expected:
+        assert text in verdict, verdict
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["benchmark"], "error: unknown part 'benchmark'; valid: tests bench train fused kernels sharded"),
+    (["benchmark"], "error: unknown part 'benchmark'; valid: quick tests bench train others kernels sharded"),
+    (["quick", "sharded"], "error: quick runs alone"),
     (["--device", "cpu", "--size", "M"], "error: the CPU dry run is --device cpu --size tiny"),
     (["--size", "XL"], "error: argument --size: invalid choice: 'XL'"),
 ])
