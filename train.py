@@ -34,6 +34,7 @@ from config import ConfigError, help_text, load_config, model_settings
 from devices import DeviceError, autocast_context, peak_flops, setup_distributed, synchronize, tf32_matmuls
 from model import GPT, GPTConfig, connection_path_line, model_shape
 from parallelize import materialise, parallelize
+from run_owner import RunOwner
 
 GPT2_PADDED_VOCAB = 50304  # GPT-2's 50257 tokens padded to a multiple of 64
 PREPARE_COMMANDS = {
@@ -416,7 +417,7 @@ def run(cfg):
     """Train according to cfg; returns the process exit code (0, or 128 + signal number)."""
     world = setup_distributed(cfg)
     try:
-        with tf32_matmuls():
+        with tf32_matmuls(), RunOwner(cfg.out_dir, world, log):  # one writer per run folder
             return train(cfg, world)
     finally:
         if world.ddp:
