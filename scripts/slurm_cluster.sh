@@ -14,6 +14,7 @@ DIR=${SLURM_CLUSTER_DIR:-${TMPDIR:-/tmp}/slurm-one-node}
 CONF=$DIR/slurm.conf
 
 start() {
+    stop  # what an earlier start left running
     if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! command -v sbatch >/dev/null \
         || ! command -v munged >/dev/null; then
         apt-get update -qq

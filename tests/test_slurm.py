@@ -93,11 +93,16 @@ def slurm_env():
     env.setdefault("SLURM_CONF", os.path.join(folder, "slurm.conf"))
     if shutil.which("sbatch") is None:
         reason = "SLURM is not installed"
+    elif not os.path.exists(env["SLURM_CONF"]):
+        reason = f"no SLURM configuration at {env['SLURM_CONF']}"
     else:
-        answer = subprocess.run(["sinfo", "--noheader", "--responding", "--format=%T"], env=env, capture_output=True,
-                                text=True, timeout=60)
-        reason = None if answer.returncode == 0 and answer.stdout.strip() else \
-            f"no node answers at SLURM_CONF={env['SLURM_CONF']} ({(answer.stderr or 'sinfo: no node').strip()})"
+        try:
+            answer = subprocess.run(["sinfo", "--noheader", "--responding", "--format=%T"], env=env,
+                                    capture_output=True, text=True, timeout=20)
+            reason = None if answer.returncode == 0 and answer.stdout.strip() else \
+                f"no node answers at SLURM_CONF={env['SLURM_CONF']}"
+        except subprocess.TimeoutExpired:
+            reason = f"slurmctld does not answer at SLURM_CONF={env['SLURM_CONF']}"
     if reason is not None:
         message = f"{reason}: start a one-node SLURM with `bash scripts/slurm_cluster.sh start` (root, Debian)"
         if os.environ.get("CI") == "true":
