@@ -7,7 +7,7 @@
 # folder); commands find the cluster with SLURM_CONF=$SLURM_CLUSTER_DIR/slurm.conf. The node is this
 # machine with all its cores and two GPUs that are not there (/dev/null, /dev/zero), so that jobs can
 # ask for GPUs (--gpus-per-node) or not. A requeued job may start again 11 s later (cred_expire=10,
-# SLURM's default is 121 s).
+# SLURM's default is 121 s), and the scheduler looks for it every 5 s (sched_interval; default 60 s).
 set -euo pipefail
 
 DIR=${SLURM_CLUSTER_DIR:-${TMPDIR:-/tmp}/slurm-one-node}
@@ -45,7 +45,7 @@ ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
-SchedulerParameters=bf_interval=5
+SchedulerParameters=bf_interval=5,sched_interval=5
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobRequeue=1
