@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from checkpoint import CheckpointError, CheckpointManager, SaveError, TrainState
+from checkpoint import CheckpointError, CheckpointManager, RunOwner, SaveError, TrainState
 from config import ConfigError, help_text, load_config, model_settings, model_shape
 from devices import DeviceError, autocast_context, peak_flops, setup_distributed, synchronize, tf32_matmuls
 from model import GPT, GPTConfig, connection_path_line
@@ -468,7 +468,7 @@ def run(cfg):
     """Train according to cfg; returns the process exit code (0, or 128 + signal number)."""
     world = setup_distributed(cfg)
     try:
-        with tf32_matmuls():
+        with tf32_matmuls(), RunOwner(cfg.out_dir, world, log):  # one writer per run folder
             return train(cfg, world)
     finally:
         if world.ddp:

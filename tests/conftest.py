@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import random
+import signal
 from pathlib import Path
 
 # One thread per process, here and in every subprocess a test starts: pytest-xdist runs a worker per
@@ -57,7 +58,7 @@ FUSED_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fused")
 
 # Fixtures that train or count for a while, shared by several tests: with pytest-xdist's
 # --dist loadgroup (scripts/test.sh) the tests that use one run on one worker, which builds it once.
-SHARED_FIXTURES = ("hellaswag_runs", "runs", "run_dirs", "study", "counts")
+SHARED_FIXTURES = ("hellaswag_runs", "runs", "run_dirs", "study", "counts", "slurm_env")
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
@@ -171,3 +172,95 @@ def one_error_line(main, argv, capsys, *words, alone=True):
         main(argv)
     assert exit_info.value.code == 2
     return assert_one_error_line(capsys.readouterr().err, *words, alone=alone)
+
+
+# ----------------------------------------------------------------------------------------------
+# Runs that are stopped and continued (test_restarts.py, test_slurm.py, test_run_owner.py), each
+# compared step by step with one uninterrupted run
+
+# Saves at steps 0, 3 (interval), 4 (eval), 6 (interval) and 8 (eval, end); the schedule's
+# horizon is fixed, so a shorter first leg follows the same lr.
+RUN = dict(n_layer=1, n_embd=32, max_iters=8, lr_decay_iters=8, warmup_iters=2, eval_interval=4,
+           log_interval=1, ckpt_interval=3)
+
+
+def run_args(data_dir, out_dir, **overrides):
+    from test_train import tiny_args
+    return tiny_args(data_dir, out_dir, **dict(RUN, init_from="auto", **overrides))
+
+
+def trajectory(out_dir):
+    """(train records, eval records) without the timings, each step once or the test fails."""
+    from test_train import read_all_metrics
+    train_records, eval_records, _ = read_all_metrics(out_dir)
+    for records in (train_records, eval_records):
+        steps = [r["step"] for r in records]
+        assert len(steps) == len(set(steps)), steps
+    return ([(r["step"], r["lr"], r["train_loss"], r["grad_norm"]) for r in train_records],
+            [(r["step"], r["eval_train_loss"], r["val_loss"]) for r in eval_records])
+
+
+def read_all_metrics_lines(out_dir):
+    """Every whole record of metrics.jsonl, in order."""
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.endswith("\n")]
+
+
+def temp_files(folder):
+    return sorted(name for name in os.listdir(folder) if name.endswith(".tmp"))
+
+
+def snapshot(folder):
+    """Every file's modification time and bytes: what 'nothing changed on disk' compares."""
+    return {path.name: (path.stat().st_mtime_ns, path.read_bytes()) for path in sorted(folder.iterdir())}
+
+
+@pytest.fixture(scope="module")
+def reference(data_dir, tmp_path_factory):
+    """One uninterrupted run from scratch: its folder."""
+    from test_train import tiny_args
+    import train
+
+    out = tmp_path_factory.mktemp("reference") / "run"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as every run compared with it
+    try:
+        train.main(tiny_args(data_dir, out, **dict(RUN, init_from="scratch")))
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def assert_uninterrupted(out, reference):
+    """The run's per-step records equal the uninterrupted run's exactly: with two micro-batches,
+    two ranks' gradient sum and one process's sum of halves are the same floats (halving is
+    exact), so an interruption is the only difference left."""
+    from checkpoint import load_checkpoint
+    train_steps, eval_steps = trajectory(out)
+    assert [s[0] for s in train_steps] == list(range(1, 9)) and [s[0] for s in eval_steps] == [0, 4, 8]
+    assert (train_steps, eval_steps) == trajectory(reference)
+    assert load_checkpoint(str(out / "ckpt.pt"))["step"] == 8
+    assert (out / "done").read_text() == "8\n" and temp_files(out) == []
+
+
+def kill_process_tree(pid):
+    """SIGKILL to pid and every process below it, found by parent pid (torchrun's workers run in
+    sessions of their own, out of reach of a process-group kill)."""
+    children = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue  # exited meanwhile
+            parent = int(stat[stat.rindex(")") + 2:].split()[1])  # "pid (comm) state ppid ..."
+            children.setdefault(parent, []).append(int(name))
+    todo = [pid]
+    while todo:
+        pid = todo.pop()
+        todo.extend(children.get(pid, []))
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

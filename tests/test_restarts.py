@@ -1,78 +1,27 @@
 """Runs that survive the cluster, on CPU: --init_from=auto as the one command for the first start
 and every restart, a worker killed with SIGKILL under torchrun --max-restarts (with torchrun's shared
-store, no workaround variable), SIGTERM to torchrun, a stop request, saves that fail (a real full disk
-on a small tmpfs, injected OSErrors, a vanished folder), and the SLURM job script under stand-ins
-that behave as SLURM does (tests/slurm). Every run is compared step by step with one uninterrupted
-run."""
+store, no workaround variable), SIGTERM to torchrun, a stop request, and saves that fail (a real full disk
+on a small tmpfs, injected OSErrors, a vanished folder); the SLURM job script is tested on a real
+SLURM in test_slurm.py. Every run is compared step by step with one uninterrupted run."""
 import errno
-import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 
 import pytest
-import torch
 
 import checkpoint
 import train
 from checkpoint import load_checkpoint, save_failure_line, single_file
 from config import REPO_DIR, load_config
-from conftest import assert_one_error_line
-from slurm import standin as slurm
-from test_train import read_all_metrics, tiny_args
+from conftest import (assert_one_error_line, assert_uninterrupted, kill_process_tree, read_all_metrics_lines,
+                      run_args, snapshot, temp_files, trajectory)
+from test_train import read_all_metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-# Saves at steps 0, 3 (interval), 4 (eval), 6 (interval) and 8 (eval, end); the schedule's
-# horizon is fixed, so a shorter first leg follows the same lr.
-RUN = dict(n_layer=1, n_embd=32, max_iters=8, lr_decay_iters=8, warmup_iters=2, eval_interval=4,
-           log_interval=1, ckpt_interval=3)
 EXIT_SAVE_FAILED = 3
-
-
-def run_args(data_dir, out_dir, **overrides):
-    return tiny_args(data_dir, out_dir, **dict(RUN, init_from="auto", **overrides))
-
-
-def trajectory(out_dir):
-    """(train records, eval records) without the timings, each step once or the test fails."""
-    train_records, eval_records, _ = read_all_metrics(out_dir)
-    for records in (train_records, eval_records):
-        steps = [r["step"] for r in records]
-        assert len(steps) == len(set(steps)), steps
-    return ([(r["step"], r["lr"], r["train_loss"], r["grad_norm"]) for r in train_records],
-            [(r["step"], r["eval_train_loss"], r["val_loss"]) for r in eval_records])
-
-
-def read_all_metrics_lines(out_dir):
-    """Every whole record of metrics.jsonl, in order."""
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.endswith("\n")]
-
-
-def temp_files(folder):
-    return sorted(name for name in os.listdir(folder) if name.endswith(".tmp"))
-
-
-def snapshot(folder):
-    """Every file's modification time and bytes: what 'nothing changed on disk' compares."""
-    return {path.name: (path.stat().st_mtime_ns, path.read_bytes()) for path in sorted(folder.iterdir())}
-
-
-@pytest.fixture(scope="module")
-def reference(data_dir, tmp_path_factory):
-    """One uninterrupted run from scratch: its folder."""
-    out = tmp_path_factory.mktemp("reference") / "run"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as every run compared with it
-    try:
-        train.main(tiny_args(data_dir, out, **dict(RUN, init_from="scratch")))
-    finally:
-        torch.set_num_threads(threads)
-    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -169,20 +118,9 @@ def torchrun(data_dir, out, script, max_restarts=0, **env):
     try:
         stdout, stderr = proc.communicate(timeout=300)
     except subprocess.TimeoutExpired:
-        slurm.signal_all(slurm.descendants([proc.pid]), signal.SIGKILL)  # workers run in sessions of their own
+        kill_process_tree(proc.pid)  # workers run in sessions of their own
         raise
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-
-
-def assert_uninterrupted(out, reference):
-    """The run's per-step records equal the uninterrupted run's exactly: with two micro-batches,
-    two ranks' gradient sum and one process's sum of halves are the same floats (halving is
-    exact), so an interruption is the only difference left."""
-    train_steps, eval_steps = trajectory(out)
-    assert [s[0] for s in train_steps] == list(range(1, 9)) and [s[0] for s in eval_steps] == [0, 4, 8]
-    assert (train_steps, eval_steps) == trajectory(reference)
-    assert load_checkpoint(str(out / "ckpt.pt"))["step"] == 8
-    assert (out / "done").read_text() == "8\n" and temp_files(out) == []
 
 
 @pytest.mark.slow
@@ -195,7 +133,7 @@ def test_a_worker_killed_under_torchrun_is_restarted_and_the_run_ends_on_the_uni
                     FAULT_BEFORE_STEP="6", RESTART_DELAY="2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "exitcode: -9" in proc.stderr  # the kill happened
-    assert "resuming at step 4 of 8" in proc.stdout
+    assert "resuming at step 4 of 8" in proc.stdout and "taking over" not in proc.stdout  # one job, one writer
     assert_uninterrupted(out, reference)
     _, _, first_steps = read_all_metrics(out)
     assert [r["step"] for r in first_steps] == [1, 5]
@@ -388,143 +326,3 @@ def test_checkpoint_cost_measures_a_save_with_adamws_full_state(tmp_path, capsys
     assert size == "tiny" and params == f"{n_params / 1e6:.0f}M"
     assert 12 * n_params / 1e9 - 0.01 <= float(gigabytes.split()[0]) <= 12 * n_params / 1e9 + 0.01
     assert float(save_s) > 0 and float(load_s) > 0 and os.listdir(tmp_path) == []
-
-
-# ----------------------------------------------------------------------------------------------
-# The SLURM job: tests/slurm's stand-ins for sbatch, srun and scontrol behave as SLURM does
-
-
-SLURM_SCRIPT = os.path.join(REPO_DIR, "scripts", "slurm_train.sbatch")
-
-
-def readme_multinode_command():
-    """The README's multi-node torchrun command, its continuation lines joined."""
-    text = open(os.path.join(REPO_DIR, "README.md"), encoding="utf-8").read()
-    start = text.index("torchrun --nnodes=")
-    end = text.index("\n```", start)
-    return " ".join(text[start:end].replace("\\\n", " ").split())
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
-def test_the_srun_stand_in_kills_the_step_on_sigterm_and_forwards_usr1(tmp_path):
-    """What the SLURM tests rest on: srun passes USR1 to every process of its step, a task's
-    children included, and on SIGTERM SIGKILLs them all (a task's own TERM trap never runs)."""
-    task = tmp_path / "task.sh"
-    task.write_text(
-        "#!/usr/bin/env bash\n"
-        "trap 'echo USR1 >> \"$DIR/task-$SLURM_PROCID\"' USR1\n"
-        "trap 'echo TERM >> \"$DIR/task-$SLURM_PROCID\"' TERM\n"
-        "bash -c 'trap \"echo USR1 >> $DIR/child-$SLURM_PROCID\" USR1; touch $DIR/ready-$SLURM_PROCID; "
-        "while true; do sleep 0.1; done' &\n"
-        "while true; do sleep 0.1; done\n")
-    task.chmod(0o755)
-    env = dict(os.environ, PATH=f"{slurm.BIN}:{os.environ['PATH']}", SLURM_STANDIN_LOG=str(tmp_path),
-               SLURM_JOB_NUM_NODES="2", DIR=str(tmp_path))
-    proc = subprocess.Popen(["srun", "--kill-on-bad-exit=1", str(task)], env=env)
-    slurm.wait_for(lambda: len(list(tmp_path.glob("ready-*"))) == 2, 30, "two tasks with a child each")
-    step = slurm.descendants([proc.pid])[1:]
-    proc.send_signal(signal.SIGUSR1)
-    received = [tmp_path / f"{who}-{rank}" for who in ("task", "child") for rank in (0, 1)]
-    slurm.wait_for(lambda: all(path.exists() for path in received), 30, "USR1 in every task and child")
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == 128 + signal.SIGKILL
-    assert [path.read_text() for path in received] == ["USR1\n"] * 4  # no TERM trap ran
-    slurm.wait_for(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in step), 10, "the step's processes gone")
-
-
-def fake_torchrun(bin_dir):
-    """torchrun for the script's own logic: records its command line and each start; FAKE=finish
-    writes `done`, FAKE=fail exits 3, FAKE=serve waits for the stop request and exits 0, as
-    train.py does."""
-    bin_dir.mkdir()
-    (bin_dir / "torchrun").write_text(
-        "#!/usr/bin/env bash\nset -euo pipefail\n"
-        'echo "$*" >> "$SLURM_STANDIN_LOG/torchrun"\n'
-        'case "$FAKE" in\n'
-        '  finish) mkdir -p "$OUT_DIR"; echo 10000 > "$OUT_DIR/done" ;;\n'
-        '  fail) touch "$SLURM_STANDIN_LOG/started"; sleep 1; exit 3 ;;\n'
-        '  serve) touch "$SLURM_STANDIN_LOG/started"; while [ ! -f "$OUT_DIR/stop" ]; do sleep 0.05; done ;;\n'
-        "esac\n")
-    (bin_dir / "torchrun").chmod(0o755)
-
-
-def test_the_slurm_script_runs_the_readmes_multinode_command_and_requeues_only_a_run_stopped_for_the_time_limit(
-        tmp_path):
-    bin_dir, out = tmp_path / "bin", tmp_path / "out"
-    fake_torchrun(bin_dir)
-
-    def submit(name, fake, **options):
-        options.setdefault("nodelist", "gpu-node-[07-08]")
-        logs = tmp_path / name
-        logs.mkdir()
-        env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT_DIR=str(out), FAKE=fake)
-        return logs, slurm.submit(SLURM_SCRIPT, env=env, submit_dir=REPO_DIR, log_dir=logs, **options)
-
-    logs, job = submit("finished", "finish")
-    assert job.wait(timeout=60) == (0, 0)
-    [srun] = (logs / "srun").read_text().splitlines()
-    assert srun.startswith("--kill-on-bad-exit=1 --cpus-per-task=32 torchrun ")
-    readme = readme_multinode_command().replace("$HEAD_NODE", "gpu-node-07").split()[1:] + [f"--out_dir={out}"]
-    assert [line.split() for line in (logs / "torchrun").read_text().splitlines()] == [readme, readme]  # 2 nodes
-    assert (logs / "scontrol").read_text().splitlines() == ["show hostnames gpu-node-[07-08]"]
-
-    (out / "done").unlink()
-    logs, job = submit("time_limit", "serve")
-    slurm.wait_for((logs / "started").exists, 30, "the run")
-    job.signal_time_limit()
-    assert job.wait(timeout=60) == (0, 1)
-
-    one_node = dict(nodes=1, nodelist="gpu-node-07")  # one task: its exit code is srun's
-    logs, job = submit("failed", "fail", **one_node)
-    assert job.wait(timeout=60) == (3, 0)
-    assert not (out / "stop").exists()  # the stale request was removed before the start
-
-    logs, job = submit("failed_after_the_request", "fail", **one_node)
-    slurm.wait_for((logs / "started").exists, 30, "the run")
-    job.signal_time_limit()
-    assert job.wait(timeout=60) == (3, 0)  # a run that could not serve the stop is not requeued
-
-    logs, job = submit("signal_without_b", "serve", signal="USR1@600", **one_node)
-    slurm.wait_for((logs / "started").exists, 30, "the run")
-    job.signal_time_limit()  # to the step's processes, which USR1 kills (torchrun's agent too), not the shell
-    assert job.wait(timeout=60) == (128 + signal.SIGUSR1, 0)
-
-
-@pytest.mark.slow
-def test_the_slurm_time_limit_saves_the_step_in_flight_and_the_requeued_job_ends_on_the_uninterrupted_losses(
-        data_dir, tmp_path, reference):
-    """The batch script on one node with two CPU processes under real torchrun: SLURM's time-limit
-    signal comes during step 5 (the last checkpoint: step 4's), which rank 0 holds until the request
-    reaches the run folder. The run saves step 5 and exits 0, the job requeues itself once, and the
-    requeued start finishes with the uninterrupted run's losses, each step once."""
-    out = tmp_path / "run"
-    env = dict(os.environ, OMP_NUM_THREADS="1", OUT_DIR=str(out), RDZV_PORT=str(free_port()), FAULT="hold",
-               FAULT_RANK="0", FAULT_BEFORE_STEP="5", HOLD_UNTIL=str(out / "stop"))
-    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
-    args = ["tests/faulty_worker.py", *tiny_args(data_dir, out, **RUN)]
-    job = slurm.submit(SLURM_SCRIPT, args, env=env, submit_dir=REPO_DIR, log_dir=tmp_path, nodes=1, gpus_per_node=2,
-                       cpus_per_task=2, nodelist="localhost")
-
-    def evaluated_step_4():
-        return (out / "metrics.jsonl").exists() and any(
-            r.get("step") == 4 and "val_loss" in r for r in read_all_metrics_lines(out))
-
-    slurm.wait_for(evaluated_step_4, 120, "the evaluation of step 4")
-    job.signal_time_limit()
-    code, requeues = job.wait(timeout=120)
-    output = (tmp_path / "job-4242.out").read_text()
-    assert (code, requeues) == (0, 1), output[-3000:]
-    assert "stopped by the request stop in the run folder after step 5" in output
-    assert load_checkpoint(str(out / "ckpt.pt"))["step"] == 5 and not (out / "done").exists()
-    assert not (out / "stop").exists()
-
-    code, requeues = job.start_requeued().wait(timeout=120)
-    output = (tmp_path / "job-4242.out").read_text()
-    assert (code, requeues) == (0, 0), output[-3000:]
-    assert "resuming at step 5 of 8" in output
-    assert_uninterrupted(out, reference)

@@ -1,0 +1,134 @@
+"""One writer per run folder (checkpoint/owner.py): a second start on the folder of a live run is refused
+and the live run ends exactly as an uninterrupted one; an owner that is gone (SIGKILLed here, or
+silent for long on another host) is taken over with a note; the starts of one job (torchrun's
+restarts: test_restarts.py; SLURM's requeues: test_slurm.py and below) continue the run."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from checkpoint import owner as run_owner
+import train
+from config import REPO_DIR
+from conftest import assert_one_error_line, assert_uninterrupted, read_all_metrics_lines, run_args
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(autouse=True)
+def no_job(monkeypatch):
+    """The tests' processes belong to no SLURM or torchrun job, wherever pytest runs."""
+    for name in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def start_held_run(data_dir, out, hold_until):
+    """train.py on out as its own process, holding step 5 (the last checkpoint: step 4's) until
+    the file hold_until exists; returns the process once step 4 is evaluated."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", RANK="0", FAULT="hold", FAULT_RANK="0", FAULT_BEFORE_STEP="5",
+               HOLD_UNTIL=str(hold_until), FAULT_ONCE=str(hold_until) + ".once")
+    proc = subprocess.Popen([sys.executable, "tests/faulty_worker.py", *run_args(data_dir, out)], cwd=REPO_DIR,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not ((out / "metrics.jsonl").exists() and any(
+            r.get("step") == 4 and "val_loss" in r for r in read_all_metrics_lines(out))):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no evaluation of step 4 in 120 s"
+        time.sleep(0.05)
+    return proc
+
+
+@pytest.mark.slow
+def test_a_second_start_on_a_live_runs_folder_is_refused_and_the_live_run_ends_exactly(
+        data_dir, tmp_path, reference):
+    out = tmp_path / "run"
+    live = start_held_run(data_dir, out, tmp_path / "go")
+    try:
+        second = subprocess.run([sys.executable, "train.py", *run_args(data_dir, out)], cwd=REPO_DIR,
+                                capture_output=True, text=True, timeout=120)
+    finally:
+        (tmp_path / "go").touch()
+        stdout, stderr = live.communicate(timeout=120)
+    assert second.returncode == 2 and second.stdout == ""
+    line = assert_one_error_line(second.stderr, f"{out} is being written by a live run",
+                                 f"pid {live.pid} on {socket.gethostname()} since ", alone=True)
+    assert "remove" in line and "--out_dir" in line
+    assert live.returncode == 0, stderr[-3000:]
+    assert "resuming" not in stdout
+    assert_uninterrupted(out, reference)
+    assert not (out / run_owner.OWNER_FILE).exists()  # given up at the end
+
+
+@pytest.mark.slow
+def test_a_sigkilled_owner_is_taken_over_with_a_note_and_the_run_continues_exactly(
+        data_dir, tmp_path, reference, capsys):
+    out = tmp_path / "run"
+    killed = start_held_run(data_dir, out, tmp_path / "go")
+    killed.send_signal(signal.SIGKILL)
+    os.waitid(os.P_PID, killed.pid, os.WEXITED | os.WNOWAIT)  # dead, not yet reaped: its pid still answers
+    assert json.loads((out / run_owner.OWNER_FILE).read_text())["pid"] == killed.pid  # left behind
+    train.main(run_args(data_dir, out))
+    killed.communicate(timeout=60)
+    printed = capsys.readouterr().out
+    assert f"note: taking over {out} from pid {killed.pid} on {socket.gethostname()} since " in printed
+    assert "its process ended" in printed and "resuming at step 4 of 8" in printed
+    assert_uninterrupted(out, reference)
+
+
+def write_owner(out, host, age_s, job=None, pid=4321):
+    """The owner record as a run on host would have left it, its last heartbeat age_s ago."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / run_owner.OWNER_FILE
+    path.write_text(json.dumps(dict(host=host, pid=pid, pid_start=None, job=job, since="2026-01-02 03:04:05 UTC")))
+    os.utime(path, (time.time() - age_s, time.time() - age_s))
+
+
+def test_an_owner_on_another_host_is_live_while_its_heartbeat_is_fresh_and_taken_over_once_stale(
+        data_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = run_args(data_dir, out, max_iters=2, lr_decay_iters=2, eval_interval=2)
+    write_owner(out, "gpu-node-07", age_s=run_owner.HEARTBEAT_S)
+    with pytest.raises(SystemExit) as info:
+        train.main(args)
+    assert info.value.code == 2
+    assert_one_error_line(capsys.readouterr().err, "pid 4321 on gpu-node-07 since 2026-01-02 03:04:05 UTC",
+                          f"heartbeat {run_owner.HEARTBEAT_S} s ago", alone=True)
+    assert sorted(os.listdir(out)) == [run_owner.OWNER_FILE]  # nothing written
+
+    write_owner(out, "gpu-node-07", age_s=run_owner.STALE_S + 60)
+    train.main(args)
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"note: taking over {out} from pid 4321 on gpu-node-07 since 2026-01-02 03:04:05 UTC: "
+                              f"no heartbeat for {run_owner.STALE_S + 60} s\n")
+    assert "starting at step 0 of 2" in printed and (out / "done").read_text() == "2\n"
+    assert not (out / run_owner.OWNER_FILE).exists()
+
+
+def test_a_requeued_slurm_job_continues_its_own_run_whatever_the_record_says(
+        data_dir, tmp_path, monkeypatch, capsys):
+    """A requeue after a node failure: the record of the job's earlier start is still there, fresh,
+    from another host; the same job id is the same writer."""
+    out = tmp_path / "run"
+    write_owner(out, "gpu-node-07", age_s=0, job="slurm job 77")
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    train.main(run_args(data_dir, out, max_iters=2, lr_decay_iters=2, eval_interval=2))
+    printed = capsys.readouterr().out
+    assert "note:" not in printed and (out / "done").read_text() == "2\n"
+
+    write_owner(out, "gpu-node-07", age_s=0, job="slurm job 76")  # another job's live run: refused
+    with pytest.raises(SystemExit):
+        train.main(run_args(data_dir, out, max_iters=2, lr_decay_iters=2, eval_interval=2))
+    assert_one_error_line(capsys.readouterr().err, "(slurm job 76)", alone=True)
+
+
+def test_a_start_that_fails_leaves_no_folder_behind(tmp_path, capsys):
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit):
+        train.main(run_args(tmp_path / "no-data", out))
+    capsys.readouterr()
+    assert not out.exists()
