@@ -135,7 +135,7 @@ def test_compiled_counter_counts_each_generated_kernels_buffers_once():
     tokens, width = 64, 256
     x = torch.zeros(tokens, width, requires_grad=True)  # only scheduled: no values are read
     kernels = count_bytes.compiled_kernel_bytes(lambda x: count_bytes.compiled_stand_in_branch(x * 2).float() + x * 3, x)
-    per_element = [(phase, moved / (tokens * width)) for phase, _, moved in kernels if moved]
+    per_element = [(phase, moved / (tokens * width)) for phase, _, moved, _ in kernels if moved]
     assert per_element == [("forward", 8), ("forward", 10), ("backward", 6), ("backward", 12)]
 
 
