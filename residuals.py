@@ -143,7 +143,9 @@ def autocast_matmul_dtype(device_type: str) -> torch.dtype | None:
 def pre_aggregate(h_pre: torch.Tensor, h_res: torch.Tensor, x: torch.Tensor):
     """(u, h_res x) for h_pre (..., n), h_res (..., n, n) and x (..., n, C): u = sum_j h_pre[j] x[j]."""
     if mixes_elementwise(x):
-        return _PreAggregate.apply(h_pre, h_res, x)
+        # Two products: compiled, the backward then reads grad u and g as they are, where one product
+        # of the stacked coefficients concatenates their gradients and reads the result twice more.
+        return mix_streams(h_pre.unsqueeze(-2), x).squeeze(-2), mix_streams(h_res, x)
     # One batched matmul of the stacked (n + 1) x n coefficients makes u, h_res x and, backward, both
     # their gradients in one pass each: on CPU faster than two products.
     mixer = torch.cat([h_pre.unsqueeze(-2), h_res], dim=-2)
@@ -159,29 +161,6 @@ def scaled_groups(p: torch.Tensor, scales, biases) -> list[torch.Tensor]:
     sizes = [bias.shape[-1] for bias in biases]
     scale = torch.cat([s.expand(size) for s, size in zip(scales, sizes)])
     return (p * scale + torch.cat(biases)).split(sizes, dim=-1)
-
-
-class _PreAggregate(torch.autograd.Function):
-    """u and h_res x as two chains of multiply-adds, which inductor fuses (two products: the backward
-    then reads grad u and g as they are, where one product of the stacked coefficients concatenates
-    their gradients and reads the result twice more). Its own backward saves h_res whole, where
-    autograd's saves each column of it that a multiply-add reads, one kernel each."""
-
-    @staticmethod
-    def forward(ctx, h_pre, h_res, x):
-        ctx.save_for_backward(h_pre, h_res, x)
-        return mix_streams(h_pre.unsqueeze(-2), x).squeeze(-2), mix_streams(h_res, x)
-
-    @staticmethod
-    def backward(ctx, grad_u, grad_mixed):
-        h_pre, h_res, x = ctx.saved_tensors
-        grad_h_pre = (grad_u.unsqueeze(-2) * x).sum(-1)
-        # Column by column, (..., n) reductions like h_post's gradient, with which inductor makes
-        # them in one kernel that reads g once.
-        grad_h_res = torch.stack([(grad_mixed * x[..., j, None, :]).sum(-1) for j in range(x.shape[-2])], dim=-1)
-        grad_x = torch.addcmul(mix_streams(h_res.transpose(-1, -2), grad_mixed), h_pre.unsqueeze(-1),
-                               grad_u.unsqueeze(-2))
-        return grad_h_pre, grad_h_res, grad_x
 
 
 # ----------------------------------------------------------------------------------------------

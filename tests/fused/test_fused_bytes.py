@@ -164,9 +164,9 @@ def test_compiled_reference_connection_stays_within_its_kernel_budget():
     """The kernels inductor's CUDA backend makes of one mhclite connection (fp32 streams, bf16
     autocast), forward and backward, as a budget: 7 streaming (the RMS factor with x's bf16 copy, u,
     h_res x with the post add; backward the coefficient grads that read g, grad y, h_pre's grad,
-    grad x), 3 GEMMs (the projection, grad W, the projection's grad x) and 15 tiny ones on the
-    (T, <= 32) coefficients and the parameters (23 when autograd saved h_res column by column and
-    each scale and bias had its own multiply-add, and its own reductions backward)."""
+    grad x), 3 GEMMs (the projection, grad W, the projection's grad x) and 19 tiny ones on the
+    (T, <= 32) coefficients and the parameters (23 when each scale and bias had its own
+    multiply-add, and its own reductions backward)."""
     tokens = count_bytes.COMPILED_TOKEN_COUNTS[0]
     module = RESIDUALS["mhclite"](count_bytes.WIDTH, count_bytes.N_STREAMS, 1)
     x = torch.zeros(tokens, 1, count_bytes.N_STREAMS, count_bytes.WIDTH, requires_grad=True)
@@ -177,7 +177,7 @@ def test_compiled_reference_connection_stays_within_its_kernel_budget():
     with mock.patch.object(residuals, "mixes_elementwise", lambda x: True):
         kernels = count_bytes.compiled_kernel_bytes(connection, x)
     kinds = collections.Counter(count_bytes.kernel_kind(moved, library, tokens) for _, _, moved, library in kernels)
-    assert kinds["streaming"] <= 7 and kinds["library"] <= 3 and kinds["tiny"] <= 15
+    assert kinds["streaming"] <= 7 and kinds["library"] <= 3 and kinds["tiny"] <= 19
 
 
 @pytest.mark.parametrize("stream_dtype", [torch.float32, torch.bfloat16])
