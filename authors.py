@@ -112,11 +112,12 @@ class AuthorsArithmetic:
         normed = normed * self.norm_gain
         return normed.to(matmul_dtype) @ self.proj.weight.t().to(matmul_dtype)
 
-    def mix(self, mixer, x, matmul_dtype=None):
+    def pre_aggregate(self, h_pre, h_res, x, matmul_dtype=None):
         if not self.rounds(matmul_dtype):
-            return mix_streams(mixer, x)
-        rounded = mix_streams(mixer.to(matmul_dtype).float(), x.to(matmul_dtype).float())
-        return rounded.to(matmul_dtype).float()
+            return super().pre_aggregate(h_pre, h_res, x, matmul_dtype)
+        u, mixed = (mix_streams(mixer.to(matmul_dtype).float(), x.to(matmul_dtype).float()).to(matmul_dtype).float()
+                    for mixer in (h_pre.unsqueeze(-2), h_res))
+        return u.squeeze(-2), mixed
 
 
 def rounded_product(values, scale, dtype=None):

@@ -2,7 +2,7 @@
 
 A connection wraps one sublayer f: `Connection(width, n_streams, wrapper_index)(x, f)`, with the
 residual state x of shape (B, T, n, C) and f mapping (B, T, C) -> (B, T, C). Per token, the HC
-family computes (SPEC section 2)
+family computes (the paper's section 2, Background)
 
     u         = sum_j h_pre[j] x[j]                        (the branch input)
     x_next[i] = sum_j h_res[i, j] x[j] + h_post[i] f(u)
@@ -136,6 +136,34 @@ def autocast_matmul_dtype(device_type: str) -> torch.dtype | None:
 
 
 # ----------------------------------------------------------------------------------------------
+# Speed only: the same arithmetic in the forms that run fastest, eager on CPU and compiled on CUDA
+# (docs/benchmarks.md counts the kernels inductor makes of them, and their bytes).
+
+
+def pre_aggregate(h_pre: torch.Tensor, h_res: torch.Tensor, x: torch.Tensor):
+    """(u, h_res x) for h_pre (..., n), h_res (..., n, n) and x (..., n, C): u = sum_j h_pre[j] x[j]."""
+    if mixes_elementwise(x):
+        # Two products: compiled, the backward then reads grad u and g as they are, where one product
+        # of the stacked coefficients concatenates their gradients and reads the result twice more.
+        return mix_streams(h_pre.unsqueeze(-2), x).squeeze(-2), mix_streams(h_res, x)
+    # One batched matmul of the stacked (n + 1) x n coefficients makes u, h_res x and, backward, both
+    # their gradients in one pass each: on CPU faster than two products.
+    mixer = torch.cat([h_pre.unsqueeze(-2), h_res], dim=-2)
+    branch_input, mixed = (mixer @ x).split([1, x.shape[-2]], dim=-2)
+    # A copy of u, so that the branch (which saves its input) does not keep the whole product alive.
+    return branch_input.squeeze(-2).contiguous(), mixed
+
+
+def scaled_groups(p: torch.Tensor, scales, biases) -> list[torch.Tensor]:
+    """[s_g * p_g + b_g for each group g] of p's last dim, split as the biases are, for scalar scales
+    s_g: one multiply-add over p, whose backward makes every scale's and bias's gradient in one
+    reduction over the tokens, where one per group makes a kernel or two each."""
+    sizes = [bias.shape[-1] for bias in biases]
+    scale = torch.cat([s.expand(size) for s, size in zip(scales, sizes)])
+    return (p * scale + torch.cat(biases)).split(sizes, dim=-1)
+
+
+# ----------------------------------------------------------------------------------------------
 # Capture for analysis: what every connection computed during an ordinary forward.
 
 
@@ -223,9 +251,9 @@ class StreamConnection(nn.Module):
         """The coefficients of x (fp32); the projection GEMM in matmul_dtype when given (on operand)."""
         return self.coefficients_from_projection(self.projection(x, matmul_dtype, operand), matmul_dtype)
 
-    def mix(self, mixer, x, matmul_dtype=None):
-        """sum_j mixer[..., r, j] x[..., j, :] in fp32."""
-        return mix_streams(mixer, x)
+    def pre_aggregate(self, h_pre, h_res, x, matmul_dtype=None):
+        """The branch input u = sum_j h_pre[j] x[j] and the mixed streams h_res x (fp32)."""
+        return pre_aggregate(h_pre, h_res, x)
 
     def _pre(self, x):
         """The coefficients, the branch input u and the mixed streams h_res x (all fp32)."""
@@ -236,18 +264,8 @@ class StreamConnection(nn.Module):
         with torch.autocast(x.device.type, enabled=False):
             x = at_least_fp32(x)
             coeffs = self.coefficients(x, matmul_dtype, operand)
-            if mixes_elementwise(x):
-                # Two products: compiled, the backward then reads grad u and g as they are, where one
-                # product of the stacked coefficients concatenates their gradients and reads the result
-                # twice more (python -m fused.tools.count_bytes --reference).
-                branch_input = self.mix(coeffs["h_pre"].unsqueeze(-2), x, matmul_dtype).squeeze(-2)
-                return coeffs, branch_input, self.mix(coeffs["h_res"], x, matmul_dtype)
-            # One batched matmul of the stacked (n + 1) x n coefficients makes u, h_res x and, backward,
-            # both their gradients in one pass each: on CPU faster than two products.
-            mixer = torch.cat([coeffs["h_pre"].unsqueeze(-2), coeffs["h_res"]], dim=-2)  # (B, T, n+1, n)
-            branch_input, mixed = self.mix(mixer, x, matmul_dtype).split([1, self.n_streams], dim=-2)
-        # A copy of u, so that the branch (which saves its input) does not keep the whole product alive.
-        return coeffs, branch_input.squeeze(-2).contiguous(), mixed
+            branch_input, mixed = self.pre_aggregate(coeffs["h_pre"], coeffs["h_res"], x, matmul_dtype)
+        return coeffs, branch_input, mixed
 
     def forward(self, x, branch):
         if self.recompute and torch.is_grad_enabled():
@@ -288,7 +306,8 @@ class _RMSProjection(torch.autograd.Function):
     copy of x is never materialised, and the backward makes one matmul and one fused multiply-add
     over x, where autograd's backward of the norm alone makes several full passes. The two GEMMs
     run in matmul_dtype when given (bf16 under autocast), on `operand` when given (the same values,
-    already in matmul_dtype: no cast, and it is saved in place of x), the RMS factor always from x. With
+    already in matmul_dtype: no cast, and it is saved in place of x), the RMS factor always from x;
+    the forward's cast of x is saved for grad W's GEMM rather than made again. With
     y = z * r, z = x w^T, r = rsqrt(mean(x^2) + eps) and dr/dx = -r^3 x / D:
         grad_w = (grad_y * r)^T x,   grad_x = (grad_y * r) w - x * r^3 / D * sum(grad_y * z).
     """
@@ -298,17 +317,18 @@ class _RMSProjection(torch.autograd.Function):
         mean_square = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() / x.shape[-1]
         rms_inv = torch.rsqrt((mean_square + eps).clamp_min(mean_square_floor))
         x_values = x if operand is None else operand
-        z = _matmul(x_values, w.t(), matmul_dtype, x.dtype)
+        gemm_operand = x_values if matmul_dtype is None else x_values.to(matmul_dtype)
+        z = _matmul(gemm_operand, w.t(), matmul_dtype, x.dtype)
         ctx.matmul_dtype = matmul_dtype
-        ctx.save_for_backward(x_values, w, z, rms_inv)
+        ctx.save_for_backward(x_values, gemm_operand, w, z, rms_inv)
         return z * rms_inv
 
     @staticmethod
     def backward(ctx, grad_y):
-        x, w, z, rms_inv = ctx.saved_tensors  # x: x's values, in x's dtype or the operand's
+        x, gemm_operand, w, z, rms_inv = ctx.saved_tensors  # x: x's values, in x's dtype or the operand's
         grad_z = grad_y * rms_inv
-        grad_w = _matmul(grad_z.reshape(-1, grad_z.shape[-1]).t(), x.reshape(-1, x.shape[-1]), ctx.matmul_dtype,
-                         w.dtype)
+        grad_w = _matmul(grad_z.reshape(-1, grad_z.shape[-1]).t(), gemm_operand.reshape(-1, x.shape[-1]),
+                         ctx.matmul_dtype, w.dtype)
         grad_rms_inv = (grad_y * z).sum(-1, keepdim=True)
         # A bf16 operand promotes exactly to z's dtype: grad x keeps x's dtype and arithmetic.
         grad_x = torch.addcmul(_matmul(grad_z, w, ctx.matmul_dtype, z.dtype), x,
@@ -370,7 +390,7 @@ class HyperConnection(StreamConnection):
 
 
 class ManifoldConnectionBase(StreamConnection):
-    """Shared part of mhc and mhclite (SPEC section 2): one RMSNorm over all n*C entries and one
+    """Shared part of mhc and mhclite (the paper's sections 2 and 3.2): one RMSNorm over all n*C entries and one
     fused projection p = [p_pre | p_post | p_res], then
       h_pre  = sigmoid(s_pre * p_pre + b_pre),   h_post = 2 sigmoid(s_post * p_post + b_post),
       logits = s_res * p_res + b_res,            which subclasses turn into h_res."""
@@ -403,10 +423,11 @@ class ManifoldConnectionBase(StreamConnection):
 
     def coefficients_from_projection(self, p, matmul_dtype=None):
         n = self.n_streams
-        pre, post, res = p.split([n, n, self.res_logits], dim=-1)
-        coeffs = self.residual_matrix(self.scale_res * res + self.bias_res, matmul_dtype)
-        coeffs["h_pre"] = torch.sigmoid(self.scale_pre * pre + self.bias_pre)
-        coeffs["h_post"] = 2 * torch.sigmoid(self.scale_post * post + self.bias_post)
+        pre, post, res = scaled_groups(p, (self.scale_pre, self.scale_post, self.scale_res),
+                                       (self.bias_pre, self.bias_post, self.bias_res))
+        coeffs = self.residual_matrix(res, matmul_dtype)
+        coeffs["h_pre"] = torch.sigmoid(pre)
+        coeffs["h_post"] = 2 * torch.sigmoid(post)
         return coeffs
 
 

@@ -413,16 +413,18 @@ def _is_scheduled(error):
 
 
 def compiled_kernel_bytes(fn, *inputs):
-    """[(phase, aten ops, bytes)] of every kernel inductor's CUDA backend makes for fn(*inputs) and, for
-    inputs that require grad, its backward, each kernel's input and output buffers counted once, as
-    its scheduler counts them; the stand-in branch's kernels left out. No GPU needed: each graph
+    """[(phase, aten ops, bytes, library)] of every kernel inductor's CUDA backend makes for fn(*inputs)
+    and, for inputs that require grad, its backward, each kernel's input and output buffers counted
+    once, as its scheduler counts them; library: a call of a library kernel (a GEMM, attention) rather
+    than a generated one; the stand-in branch's kernels left out. No GPU needed: each graph
     AOTAutograd partitions (forward, and backward at once) is copied with CUDA devices and CUDA fake
     inputs and lowered and scheduled by inductor as for an H100, up to code generation; nothing
     runs. Caches are off, so every graph is scheduled."""
     import torch._inductor.config as inductor_config
     from torch._guards import detect_fake_mode
     from torch._inductor import compile_fx
-    from torch._inductor.scheduler import Scheduler
+    from torch._inductor.ir import MultiOutput
+    from torch._inductor.scheduler import ExternKernelSchedulerNode, NopKernelSchedulerNode, Scheduler
     from torch._inductor.virtualized import V
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
@@ -431,9 +433,12 @@ def compiled_kernel_bytes(fn, *inputs):
     def count_and_stop(scheduler):
         phase = "backward" if V.graph.is_backward else "forward"
         for node in scheduler.nodes:
+            if isinstance(node, NopKernelSchedulerNode) or isinstance(node.node, MultiOutput):
+                continue  # a view, an alias or an output of a call: nothing is launched
             op = getattr(node.node, "op_overload", None)  # an op inductor calls, not generates
             if getattr(op, "namespace", None) != "count_bytes":
-                kernels.append((phase, _origin_ops(node), node.get_read_write_buffers_sizes()))
+                library = isinstance(node, ExternKernelSchedulerNode)
+                kernels.append((phase, _origin_ops(node), node.get_read_write_buffers_sizes(), library))
         raise _Scheduled()
 
     def schedule_for_cuda(graph_module, example_inputs, **kwargs):
@@ -475,19 +480,31 @@ def _never_run(*args):
     raise _Scheduled()
 
 
+def kernel_kind(moved, library, tokens, width=WIDTH):
+    """"library" (a GEMM, or attention in a Block), "streaming" (a generated kernel that moves at least
+    C bytes per token: it passes over the streams or a (T, C) tensor) or "tiny" (the rest: the
+    (T, <= 32) coefficients and the parameters)."""
+    if library:
+        return "library"
+    return "streaming" if moved >= width * tokens else "tiny"
+
+
 def compiled_slope(build, token_counts=COMPILED_TOKEN_COUNTS):
     """{"forward", "backward", "total": bytes} per token of the compiled forward and backward of the
     fn(x) that build(tokens) -> (fn, x) makes, the reference path's streams mixed as on CUDA
     (residuals.mixes_elementwise), from the slope between token_counts; "kernels": [(phase, aten
     ops, bytes)] largest first, the kernels made from the same aten ops taken together (inductor
-    orders kernels, and splits small reductions, differently at different sizes)."""
+    orders kernels, and splits small reductions, differently at different sizes); "launches":
+    {phase: {kind: kernels}} at the larger token count, by kernel_kind."""
     runs = []
     for tokens in token_counts:
         with mock.patch.object(residuals, "mixes_elementwise", lambda x: True):
             kernels = compiled_kernel_bytes(*build(tokens))
         by_origin = collections.Counter()
-        for phase, made_from, moved in kernels:
+        launches = {"forward": collections.Counter(), "backward": collections.Counter()}
+        for phase, made_from, moved, library in kernels:
             by_origin[phase, tuple(made_from)] += moved
+            launches[phase][kernel_kind(moved, library, tokens)] += 1
         runs.append(by_origin)
     small, large = runs
     tokens = token_counts[1] - token_counts[0]
@@ -496,6 +513,7 @@ def compiled_slope(build, token_counts=COMPILED_TOKEN_COUNTS):
     entry["total"] = entry["forward"] + entry["backward"]
     entry["kernels"] = sorted(((phase, list(made_from), b) for (phase, made_from), b in slopes.items()),
                               key=lambda k: -k[2])
+    entry["launches"] = {phase: dict(kinds) for phase, kinds in launches.items()}
     return entry
 
 
@@ -638,31 +656,48 @@ def count_all(residuals=VARIANTS, stream_dtypes=tuple(STREAM_DTYPES), shipped_ti
     return counts
 
 
+M_LAYERS = 12  # Blocks at M: launches per step are a Block's kernels times this, per micro-step
+
+
+def kernel_counts(entry):
+    """(all, streaming, library, tiny) kernels of a compiled_slope entry, forward and backward together."""
+    kinds = collections.Counter()
+    for phase_kinds in entry["launches"].values():
+        kinds.update(phase_kinds)
+    return kinds.total(), kinds["streaming"], kinds["library"], kinds["tiny"]
+
+
 def reference_markdown(residuals, stream_dtypes):
-    """The reference path's bytes per token, eager (reference_bytes_per_token) and compiled
-    (compiled_bytes_per_token), against the floor, with the compiled kernels that move the most."""
+    """The reference path compiled: per connection (compiled_bytes_per_token) and per Block
+    (compiled_block_bytes_per_token), its kernels by kind, the launches of a step at M, and the bytes
+    per token, against the floor and res's Block; eager bytes (reference_bytes_per_token) for comparison."""
     kb = lambda b: f"{b / 1000:.1f}"  # noqa: E731
-    lines = ["| residual | streams | eager KB | x floor | compiled: forward KB | backward KB | total KB | x floor | "
-             "largest compiled kernels KB (their aten ops) |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| residual | streams | kernels (streaming + GEMM + tiny) | launches per step at M | forward KB | "
+             "backward KB | total KB | x floor | eager KB | largest compiled kernels KB (their aten ops) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for residual in residuals:
         for name in stream_dtypes:
             floor = budget(STREAM_DTYPES[name])
             eager = reference_bytes_per_token(residual, STREAM_DTYPES[name])
             e = compiled_bytes_per_token(residual, STREAM_DTYPES[name])
+            kernels, streaming, library, tiny = kernel_counts(e)
             top = "; ".join(f"{phase} {kb(b)} ({', '.join(ops_made_from[:4])})"
                             for phase, ops_made_from, b in e["kernels"][:3])
-            lines.append(f"| {residual} | {name} | {kb(eager['total'])} | {eager['total'] / floor:.2f} | "
-                         f"{kb(e['forward'])} | {kb(e['backward'])} | {kb(e['total'])} | {e['total'] / floor:.2f} | "
-                         f"{top} |")
+            lines.append(f"| {residual} | {name} | {kernels} ({streaming} + {library} + {tiny}) | "
+                         f"{kernels * 2 * M_LAYERS} | {kb(e['forward'])} | {kb(e['backward'])} | {kb(e['total'])} | "
+                         f"{e['total'] / floor:.2f} | {kb(eager['total'])} | {top} |")
     lines += ["", "In context: one Block (attention, MLP and their two connections) at M's shape, compiled whole, "
-              "against res's (fp32 stream):", "",
-              "| residual | streams | forward KB | backward KB | total KB | x res | more than res per connection KB |",
-              "|---|---|---|---|---|---|---|"]
+              "against res's (fp32 stream); GEMM counts the library calls (the sublayers' GEMMs and attention too):",
+              "", "| residual | streams | kernels (streaming + GEMM + tiny) | launches per step at M | forward KB | "
+              "backward KB | total KB | x res | more than res per connection KB |",
+              "|---|---|---|---|---|---|---|---|---|"]
     res = compiled_block_bytes_per_token("res", torch.float32)
     rows = [("res", "float32", res)] + [(residual, name, compiled_block_bytes_per_token(residual, STREAM_DTYPES[name]))
                                         for name in stream_dtypes for residual in residuals]
     for residual, name, e in rows:
-        lines.append(f"| {residual} | {name} | {kb(e['forward'])} | {kb(e['backward'])} | {kb(e['total'])} | "
+        kernels, streaming, library, tiny = kernel_counts(e)
+        lines.append(f"| {residual} | {name} | {kernels} ({streaming} + {library} + {tiny}) | {kernels * M_LAYERS} | "
+                     f"{kb(e['forward'])} | {kb(e['backward'])} | {kb(e['total'])} | "
                      f"{e['total'] / res['total']:.2f} | {kb((e['total'] - res['total']) / 2)} |")
     return "\n".join(lines)
 
@@ -711,9 +746,10 @@ def main(argv=None):
     if problem:
         parser.error(problem)
     if args.reference:
-        print(f"Bytes per token per connection of the reference path, n = {N_STREAMS}, C = {WIDTH}, bf16 autocast "
-              f"(1 KB = 1000 bytes; floor 7 nCs + 16 C): eager, every aten op's inputs + outputs; compiled, "
-              f"every kernel inductor's CUDA backend makes, its input and output buffers once each:\n")
+        print(f"The reference path per connection, n = {N_STREAMS}, C = {WIDTH}, bf16 autocast, compiled: every kernel "
+              f"inductor's CUDA backend makes (streaming: >= C bytes per token; GEMM: a library call; tiny: the rest), "
+              f"its input and output buffers once each, per token (1 KB = 1000 bytes; floor 7 nCs + 16 C); eager, "
+              f"every aten op's inputs + outputs:\n")
         print(reference_markdown(args.residuals, args.stream_dtypes))
         return
     counts = count_all(args.residuals, args.stream_dtypes)
