@@ -7,11 +7,9 @@ bf16_streams.md, its figures and bf16_streams.json.
 
     python analysis/bf16_streams.py --runs 'out/bf16_streams/*' --out docs
 """
-import argparse
 import json
 import math
 import os
-import shlex
 import sys
 import tempfile
 
@@ -23,7 +21,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from analysis.common import VARIANT_NAMES, VARIANTS, AnalysisError, find_runs, machine_line, seed_summary
-from analysis.depth_study import LINESTYLES, METRICS, fmt, mean_and_noise, measure_run
+from analysis.depth_study import LINESTYLES, METRICS, fmt, mean_and_noise, measure_run, study_arguments
 from checkpoint import CheckpointError
 
 STREAM_DTYPES = ("float32", "bfloat16")
@@ -228,23 +226,8 @@ def write_study(run_paths, out_dir, command, num_seqs=16, seq_len=128, spike_fac
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--runs", nargs="+", required=True, help="run directories written by train.py")
-    p.add_argument("--out", default="out/bf16_streams_report", help="folder for bf16_streams.md, the PNGs and json")
-    p.add_argument("--num_seqs", type=int, default=16, help="val sequences collected per checkpoint")
-    p.add_argument("--seq_len", type=int, default=128, help="tokens per sequence (capped at the block size)")
-    p.add_argument("--spike_factor", type=float, default=3.0, help="a spike exceeds this times the running median")
-    p.add_argument("--spike_window", type=int, default=20, help="steps in the running median")
-    p.add_argument("--study_command", default=None, help="the command that trained the runs, quoted in the page")
-    p.add_argument("--wall_s", type=float, default=None, help="wall time of the trainings, stated in the page")
-    args = p.parse_args(argv)
-    argv = sys.argv[1:] if argv is None else argv
-    quoted = ("--study_command", "--wall_s")  # the page states these apart
-    shown = [a for i, a in enumerate(argv) if not a.startswith(quoted) and not (i and argv[i - 1] in quoted)]
-    command = "python analysis/bf16_streams.py " + shlex.join(shown)
+    args, command = study_arguments(__doc__, "bf16_streams.py", "out/bf16_streams_report", argv)
     try:
-        if args.num_seqs < 1 or args.seq_len < 1 or args.spike_window < 1 or args.spike_factor <= 1:
-            raise AnalysisError("--num_seqs, --seq_len and --spike_window must be at least 1, --spike_factor above 1")
         path, _, summary, comparisons = write_study(args.runs, args.out, command, args.num_seqs, args.seq_len,
                                                     args.spike_factor, args.spike_window, args.study_command,
                                                     args.wall_s)

@@ -454,10 +454,11 @@ def write_study(run_paths, out_dir, command, num_seqs=16, seq_len=128, spike_fac
     return path, rows, summary
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def study_arguments(doc, script, default_out, argv):
+    """The command line a study page shares (depth, bf16 streams): (args, the command quoted in the page)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", nargs="+", required=True, help="run directories written by train.py")
-    p.add_argument("--out", default="out/depth_study_report", help="folder for depth_study.md, the PNGs and json")
+    p.add_argument("--out", default=default_out, help="folder for the page, the PNGs and json")
     p.add_argument("--num_seqs", type=int, default=16, help="val sequences collected per checkpoint")
     p.add_argument("--seq_len", type=int, default=128, help="tokens per sequence (capped at the block size)")
     p.add_argument("--spike_factor", type=float, default=3.0, help="a spike exceeds this times the running median")
@@ -469,10 +470,14 @@ def main(argv=None):
     quoted = ("--study_command", "--wall_s")  # the page states these apart
     shown = [a for i, a in enumerate(argv)
              if not a.startswith(quoted) and not (i and argv[i - 1] in quoted)]
-    command = "python analysis/depth_study.py " + shlex.join(shown)
+    if args.num_seqs < 1 or args.seq_len < 1 or args.spike_window < 1 or args.spike_factor <= 1:
+        p.error("--num_seqs, --seq_len and --spike_window must be at least 1, --spike_factor above 1")
+    return args, f"python analysis/{script} " + shlex.join(shown)
+
+
+def main(argv=None):
+    args, command = study_arguments(__doc__, "depth_study.py", "out/depth_study_report", argv)
     try:
-        if args.num_seqs < 1 or args.seq_len < 1 or args.spike_window < 1 or args.spike_factor <= 1:
-            raise AnalysisError("--num_seqs, --seq_len and --spike_window must be at least 1, --spike_factor above 1")
         path, _, summary = write_study(args.runs, args.out, command, args.num_seqs, args.seq_len, args.spike_factor,
                                        args.spike_window, args.study_command, args.wall_s)
     except (AnalysisError, CheckpointError) as e:
