@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from residuals import (RESIDUALS, RMS_EPS, HyperConnection, ManifoldHyperConnection, ManifoldHyperConnectionLite,
-                       mix_streams, rms_projection)
+                       RMSProjection, autocast_matmul_dtype, mix_streams)
 
 # key: (the paper's value, the authors' value); rms_eps takes any value >= 0.
 SETTINGS = {
@@ -89,21 +89,31 @@ class AuthorsArithmetic:
     type promotion (below), and the mixing as their einsum: h_pre, h_res and x rounded to the
     autocast dtype, the sums in fp32, u and h_res x rounded to it. Their post einsum is a product
     without a sum, which autocast leaves in fp32, so the streams keep their dtype.
+    `autocast_dtype` is the autocast dtype of the current forward (None outside autocast), which
+    the coefficients, h_res and the mixing round to.
     """
 
     def __init__(self, *args, rms_eps=RMS_EPS, mixing_dtype="float32", **kwargs):
         super().__init__(*args, **kwargs)
         self.rms_eps, self.mixing_dtype = rms_eps, mixing_dtype
+        self.autocast_dtype = None
 
-    def rounds(self, matmul_dtype):
-        return self.mixing_dtype == "autocast" and matmul_dtype is not None
+    def _pre(self, x):
+        # Read here: the paper's _pre computes everything after this with autocast off.
+        self.autocast_dtype = autocast_matmul_dtype(x.device.type)
+        return super()._pre(x)
+
+    def rounds(self, dtype):
+        return self.mixing_dtype == "autocast" and dtype is not None
 
     def projection(self, x, matmul_dtype=None, operand=None):
         rows = self.projection_rows(x)
         if not self.rounds(matmul_dtype):
-            return rms_projection(rows, self.projection_weight(), matmul_dtype, self.rms_eps,
-                                  NORMALIZE_NORM_FLOOR**2 / rows.shape[-1],
-                                  None if operand is None else self.projection_rows(operand))
+            # rsqrt(max(mean(x^2) + rms_eps, floor)): with rms_eps 0, F.normalize's factor.
+            mean_square = torch.linalg.vector_norm(rows.detach(), dim=-1, keepdim=True).square() / rows.shape[-1]
+            rms_inv = torch.rsqrt((mean_square + self.rms_eps).clamp_min(NORMALIZE_NORM_FLOOR**2 / rows.shape[-1]))
+            return RMSProjection.apply(rows, self.projection_weight(), rms_inv, matmul_dtype,
+                                       None if operand is None else self.projection_rows(operand))
         # Their RMSNorm output, not x, is the GEMM's operand that autocast rounds.
         if self.rms_eps == 0:
             normed = F.normalize(rows, dim=-1, eps=NORMALIZE_NORM_FLOOR) * math.sqrt(rows.shape[-1])
@@ -112,10 +122,11 @@ class AuthorsArithmetic:
         normed = normed * self.norm_gain
         return normed.to(matmul_dtype) @ self.proj.weight.t().to(matmul_dtype)
 
-    def pre_aggregate(self, h_pre, h_res, x, matmul_dtype=None):
-        if not self.rounds(matmul_dtype):
-            return super().pre_aggregate(h_pre, h_res, x, matmul_dtype)
-        u, mixed = (mix_streams(mixer.to(matmul_dtype).float(), x.to(matmul_dtype).float()).to(matmul_dtype).float()
+    def pre_aggregate(self, h_pre, h_res, x):
+        if not self.rounds(self.autocast_dtype):
+            return super().pre_aggregate(h_pre, h_res, x)
+        dtype = self.autocast_dtype
+        u, mixed = (mix_streams(mixer.to(dtype).float(), x.to(dtype).float()).to(dtype).float()
                     for mixer in (h_pre.unsqueeze(-2), h_res))
         return u.squeeze(-2), mixed
 
@@ -127,9 +138,9 @@ def rounded_product(values, scale, dtype=None):
 
 
 class AuthorsHyperConnection(AuthorsArithmetic, HyperConnection):
-    def coefficients_from_projection(self, p, matmul_dtype=None):
-        if not self.rounds(matmul_dtype):
-            return super().coefficients_from_projection(p, matmul_dtype)
+    def coefficients_from_projection(self, p):
+        if not self.rounds(self.autocast_dtype):
+            return super().coefficients_from_projection(p)
         # Their tanh of the bf16 projection stays bf16, and so does its product with a 0-dim
         # scale (type promotion); the static part is added in fp32.
         n = self.n_streams
@@ -140,14 +151,14 @@ class AuthorsHyperConnection(AuthorsArithmetic, HyperConnection):
 
 
 class AuthorsManifoldCoefficients(AuthorsArithmetic):
-    def coefficients_from_projection(self, p, matmul_dtype=None):
-        if not self.rounds(matmul_dtype):
-            return super().coefficients_from_projection(p, matmul_dtype)
+    def coefficients_from_projection(self, p):
+        if not self.rounds(self.autocast_dtype):
+            return super().coefficients_from_projection(p)
         # Their pre and res scales are 1-element vectors, so type promotion makes those products
         # fp32; their post scale is 0-dim, so the post product stays bf16.
         n = self.n_streams
         pre, post, res = p.float().split([n, n, self.res_logits], dim=-1)
-        coeffs = self.residual_matrix(self.scale_res * res + self.bias_res, matmul_dtype)
+        coeffs = self.residual_matrix(self.scale_res * res + self.bias_res)
         coeffs["h_pre"] = torch.sigmoid(self.scale_pre * pre + self.bias_pre)
         coeffs["h_post"] = 2 * torch.sigmoid(rounded_product(post, self.scale_post, p.dtype) + self.bias_post)
         return coeffs
@@ -161,9 +172,9 @@ class AuthorsManifoldHyperConnection(AuthorsManifoldCoefficients, ManifoldHyperC
         super().__init__(*args, **kwargs)
         self.sinkhorn_order = sinkhorn_order
 
-    def residual_matrix(self, logits, matmul_dtype=None):
+    def residual_matrix(self, logits):
         if self.sinkhorn_order == "cols_then_rows":
-            return super().residual_matrix(logits, matmul_dtype)
+            return super().residual_matrix(logits)
         logits = logits.unflatten(-1, (self.n_streams, self.n_streams))
         h_res = self.sinkhorn_fn(logits.transpose(-1, -2), self.sinkhorn_iters).transpose(-1, -2)
         return {"h_res": h_res, "logits": logits}
@@ -177,11 +188,12 @@ class AuthorsManifoldHyperConnectionLite(AuthorsManifoldCoefficients, ManifoldHy
         super().__init__(*args, **kwargs)
         self.h_res_dtype = h_res_dtype
 
-    def residual_matrix(self, logits, matmul_dtype=None):
-        if self.h_res_dtype == "float32" or matmul_dtype is None:
-            return super().residual_matrix(logits, matmul_dtype)
+    def residual_matrix(self, logits):
+        if self.h_res_dtype == "float32" or self.autocast_dtype is None:
+            return super().residual_matrix(logits)
         weights = torch.softmax(logits, dim=-1)
-        h_res = (weights.to(matmul_dtype) @ self.perm_matrices.to(matmul_dtype)).to(weights.dtype)
+        dtype = self.autocast_dtype
+        h_res = (weights.to(dtype) @ self.perm_matrices.to(dtype)).to(weights.dtype)
         return {"h_res": h_res.unflatten(-1, (self.n_streams, self.n_streams)), "perm_weights": weights}
 
 

@@ -218,10 +218,10 @@ class StreamConnection(nn.Module):
     """Shared part of hc, mhc and mhclite: the projection, the pre-aggregation and the mixing.
 
     Subclasses define a projection `proj` with its norm gain `norm_gain`, `projection_rows(x)` (the
-    rows that are RMS-normalised and projected) and `coefficients_from_projection(p, matmul_dtype)
-    -> dict` with fp32 "h_pre" (B, T, n), "h_post" (B, T, n), "h_res" (B, T, n, n) and any extra
-    entries worth recording for analysis. `stream_index` is the stream this wrapper reads at init
-    (reset_parameters reads it); `recorder` is the list capture_connections() fills, or None.
+    rows that are RMS-normalised and projected) and `coefficients_from_projection(p) -> dict` with
+    fp32 "h_pre" (B, T, n), "h_post" (B, T, n), "h_res" (B, T, n, n) and any extra entries worth
+    recording for analysis. `stream_index` is the stream this wrapper reads at init (reset_parameters
+    reads it); `recorder` is the list capture_connections() fills, or None.
     Under bf16 autocast only the projection GEMM runs in bf16, the rest in fp32 (so mhclite's h_res
     is doubly stochastic to fp32 rounding); the output keeps the dtype of x.
     """
@@ -249,9 +249,9 @@ class StreamConnection(nn.Module):
 
     def coefficients(self, x, matmul_dtype=None, operand=None):
         """The coefficients of x (fp32); the projection GEMM in matmul_dtype when given (on operand)."""
-        return self.coefficients_from_projection(self.projection(x, matmul_dtype, operand), matmul_dtype)
+        return self.coefficients_from_projection(self.projection(x, matmul_dtype, operand))
 
-    def pre_aggregate(self, h_pre, h_res, x, matmul_dtype=None):
+    def pre_aggregate(self, h_pre, h_res, x):
         """The branch input u = sum_j h_pre[j] x[j] and the mixed streams h_res x (fp32)."""
         return pre_aggregate(h_pre, h_res, x)
 
@@ -264,7 +264,7 @@ class StreamConnection(nn.Module):
         with torch.autocast(x.device.type, enabled=False):
             x = at_least_fp32(x)
             coeffs = self.coefficients(x, matmul_dtype, operand)
-            branch_input, mixed = self.pre_aggregate(coeffs["h_pre"], coeffs["h_res"], x, matmul_dtype)
+            branch_input, mixed = self.pre_aggregate(coeffs["h_pre"], coeffs["h_res"], x)
         return coeffs, branch_input, mixed
 
     def forward(self, x, branch):
@@ -292,30 +292,34 @@ class StreamConnection(nn.Module):
                               **{key: value.detach().float() for key, value in coeffs.items()}})
 
 
-def rms_projection(x, w, matmul_dtype=None, eps=RMS_EPS, mean_square_floor=0.0, operand=None):
-    """(x @ w.T) * rsqrt(max(mean(x^2) + eps, mean_square_floor)) over the last dim (_RMSProjection).
+def rms_projection(x, w, matmul_dtype=None, eps=RMS_EPS, operand=None):
+    """(x @ w.T) * rsqrt(mean(x^2) + eps) over the last dim (RMSProjection).
     operand: x's values in matmul_dtype, which the GEMMs then read instead of casting x (the
     gradient still flows into x)."""
-    return _RMSProjection.apply(x, w, matmul_dtype, eps, mean_square_floor, operand)
+    return RMSProjection.apply(x, w, rms_inverse(x, eps), matmul_dtype, operand)
 
 
-class _RMSProjection(torch.autograd.Function):
-    """(x @ w.T) * rsqrt(max(mean(x^2) + eps, floor)) over the last dim, with a hand-written backward.
+def rms_inverse(x, eps=RMS_EPS):
+    """rsqrt(mean(x^2) + eps) over the last dim, without a gradient: RMSProjection's backward makes it."""
+    x = x.detach()
+    return torch.rsqrt(torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() / x.shape[-1] + eps)
+
+
+class RMSProjection(torch.autograd.Function):
+    """(x @ w.T) * rms_inv, rms_inv = rsqrt(mean(x^2) + eps) (rms_inverse), with a hand-written backward.
 
     This is RMSNorm(x; gain) @ weight.T with the gain folded into w = weight * gain. The normalised
     copy of x is never materialised, and the backward makes one matmul and one fused multiply-add
     over x, where autograd's backward of the norm alone makes several full passes. The two GEMMs
     run in matmul_dtype when given (bf16 under autocast), on `operand` when given (the same values,
-    already in matmul_dtype: no cast, and it is saved in place of x), the RMS factor always from x;
+    already in matmul_dtype: no cast, and it is saved in place of x), rms_inv from x itself;
     the forward's cast of x is saved for grad W's GEMM rather than made again. With
     y = z * r, z = x w^T, r = rsqrt(mean(x^2) + eps) and dr/dx = -r^3 x / D:
         grad_w = (grad_y * r)^T x,   grad_x = (grad_y * r) w - x * r^3 / D * sum(grad_y * z).
     """
 
     @staticmethod
-    def forward(ctx, x, w, matmul_dtype, eps, mean_square_floor, operand):
-        mean_square = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() / x.shape[-1]
-        rms_inv = torch.rsqrt((mean_square + eps).clamp_min(mean_square_floor))
+    def forward(ctx, x, w, rms_inv, matmul_dtype, operand):
         x_values = x if operand is None else operand
         gemm_operand = x_values if matmul_dtype is None else x_values.to(matmul_dtype)
         z = _matmul(gemm_operand, w.t(), matmul_dtype, x.dtype)
@@ -333,7 +337,7 @@ class _RMSProjection(torch.autograd.Function):
         # A bf16 operand promotes exactly to z's dtype: grad x keeps x's dtype and arithmetic.
         grad_x = torch.addcmul(_matmul(grad_z, w, ctx.matmul_dtype, z.dtype), x,
                                grad_rms_inv * rms_inv.pow(3) / -x.shape[-1])
-        return grad_x, grad_w, None, None, None, None
+        return grad_x, grad_w, None, None, None
 
 
 def _matmul(a, b, operand_dtype, out_dtype):
@@ -381,7 +385,7 @@ class HyperConnection(StreamConnection):
     def projection_rows(self, x):
         return x  # every stream normalised and projected on its own: (B, T, n, C)
 
-    def coefficients_from_projection(self, p, matmul_dtype=None):
+    def coefficients_from_projection(self, p):
         n = self.n_streams
         p = torch.tanh(p)  # (B, T, n, n+2)
         alpha = self.static_alpha + self.scale_alpha * p[..., : n + 1]
@@ -421,11 +425,11 @@ class ManifoldConnectionBase(StreamConnection):
     def projection_rows(self, x):
         return x.flatten(-2)  # one RMSNorm over all n*C entries: (B, T, n*C)
 
-    def coefficients_from_projection(self, p, matmul_dtype=None):
+    def coefficients_from_projection(self, p):
         n = self.n_streams
         pre, post, res = scaled_groups(p, (self.scale_pre, self.scale_post, self.scale_res),
                                        (self.bias_pre, self.bias_post, self.bias_res))
-        coeffs = self.residual_matrix(res, matmul_dtype)
+        coeffs = self.residual_matrix(res)
         coeffs["h_pre"] = torch.sigmoid(pre)
         coeffs["h_post"] = 2 * torch.sigmoid(post)
         return coeffs
@@ -451,7 +455,7 @@ class ManifoldHyperConnection(ManifoldConnectionBase):
         n = self.n_streams
         self.bias_res.copy_(torch.full((n, n), -8.0).fill_diagonal_(0.0).flatten())
 
-    def residual_matrix(self, logits, matmul_dtype=None):
+    def residual_matrix(self, logits):
         logits = logits.unflatten(-1, (self.n_streams, self.n_streams))
         return {"h_res": self.sinkhorn_fn(logits, self.sinkhorn_iters), "logits": logits}
 
@@ -483,7 +487,7 @@ class ManifoldHyperConnectionLite(ManifoldConnectionBase):
         self.bias_res.fill_(-8.0)
         self.bias_res[0] = 0.0  # the identity permutation comes first
 
-    def residual_matrix(self, logits, matmul_dtype=None):
+    def residual_matrix(self, logits):
         weights = torch.softmax(logits, dim=-1)
         # Exact 0/1 products and fp32 sums; a matmul here would round the weights under TF32.
         h_res = (weights.unsqueeze(-1) * self.perm_matrices).sum(-2)
