@@ -30,7 +30,7 @@ def shares_compiled_sinkhorn(options) -> bool:
             and torch.__version__ >= SHARED_SINKHORN_TORCH)
 
 
-SCALAR_CPU_HC_BACKWARD_BEFORE = (2, 13)  # torch versions before this get cpu_inductor_options (docs/benchmarks.md)
+SCALAR_CPU_HC_BACKWARD_BEFORE = (2, 13)  # torch versions before this get cpu_inductor_options (docs/kernels.md)
 
 
 def cpu_inductor_options(model, options, device=None) -> dict:

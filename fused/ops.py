@@ -17,7 +17,7 @@ chip (the splits summed by one small torch reduction, in a fixed order). grad W 
 kernel, which reads x once more, because a token block's program would need a weight-sized partial
 of its own. No autograd add of two full-size gradients, no cast copy of x, no weight-sized partial
 re-read per token block. Saved for backward: x and per token O(n^2) floats (z, rms_inv), nothing
-n x C wide. Bytes per token: docs/benchmarks.md (python -m fused.tools.count_bytes).
+n x C wide. Bytes per token: docs/kernels.md (python -m fused.tools.count_bytes).
 
 Every kernel launch goes through `_launch`; `launch_hook` lets a tool see (and run, or not) each one.
 """
