@@ -4,7 +4,7 @@ arguments. On torchrun's first launch (TORCHELASTIC_RESTART_COUNT=0) in a batch 
 kills itself with SIGKILL (FAULT=sigkill: an out-of-memory kill, a lost node), sends SIGTERM to
 torchrun (FAULT=sigterm_launcher: what a scheduler does before a time limit), or waits until the
 file HOLD_UNTIL exists (FAULT=hold: the step in flight when a test's stop request comes, at most 60
-s). Every later launch runs train.py untouched, rank 1 starting
+s; the file HOLD_UNTIL.held says the hold has begun, so every earlier step's save is done). Every later launch runs train.py untouched, rank 1 starting
 RESTART_DELAY seconds late (default 0) so that the other ranks reach torchrun's store first."""
 import os
 import signal
@@ -27,6 +27,7 @@ def train_step_with_fault(train_model, state, *args):
         elif FAULT == "sigterm_launcher":
             term_launcher_and_wait()
         elif FAULT == "hold":
+            open(os.environ["HOLD_UNTIL"] + ".held", "w").close()
             wait_for_file(os.environ["HOLD_UNTIL"])
     return real_train_step(train_model, state, *args)
 
