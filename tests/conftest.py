@@ -58,7 +58,8 @@ FUSED_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fused")
 
 # Fixtures that train or count for a while, shared by several tests: with pytest-xdist's
 # --dist loadgroup (scripts/test.sh) the tests that use one run on one worker, which builds it once.
-SHARED_FIXTURES = ("hellaswag_runs", "runs", "run_dirs", "study", "counts", "compiled_mhclite", "slurm_env")
+SHARED_FIXTURES = ("hellaswag_runs", "runs", "run_dirs", "study", "counts", "compiled_mhclite", "slurm_env",
+                   "triton_compile_cache")
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
@@ -73,6 +74,13 @@ def pytest_collection_modifyitems(config, items):
         if shared:
             definition = item._fixtureinfo.name2fixturedefs[shared][-1]  # the one this test gets
             item.add_marker(pytest.mark.xdist_group(f"{definition.baseid}::{shared}"))
+
+
+@pytest.fixture(scope="session")
+def triton_compile_cache(tmp_path_factory):
+    """Triton's cache for the tests that compile the fused kernels for a GPU without one: empty when
+    the session starts, so each kernel is compiled for real once, and then shared by those tests."""
+    return tmp_path_factory.mktemp("triton-compile-cache")
 
 
 @pytest.fixture(scope="module")

@@ -2,10 +2,13 @@
 the other parts into the same folder; the verdict the GPU session acts on; the parts' limits; the flags."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from benchmarks import gpu_check
 from conftest import one_error_line
@@ -23,9 +26,12 @@ def run_check(parts, out, capsys):
 
 
 @pytest.mark.slow
-def test_quick_dry_run_then_the_other_parts_into_the_same_folder(tmp_path, capsys, monkeypatch):
+def test_quick_dry_run_then_the_other_parts_into_the_same_folder(tmp_path, capsys, monkeypatch, triton_compile_cache):
     """quick at tiny shapes on CPU: every part of it in order, at most eight files, the numbers the
     verdict reads; then the parts quick leaves out, into the same folder, whose summary covers both."""
+    # The suite's caches: kernels already compiled for sm_90 (test_fused_resources.py) and inductor's graphs.
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(triton_compile_cache))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir())
     # The limits are an H100's at M; this shared CPU is slower. test_a_part_stopped_... tests them.
     monkeypatch.setattr(gpu_check, "QUICK_LIMITS", {part: 10 * s for part, s in gpu_check.QUICK_LIMITS.items()})
     monkeypatch.setattr(gpu_check, "QUICK_MINUTES", 10 * gpu_check.QUICK_MINUTES)

@@ -44,6 +44,7 @@ RESIDUALS = ("hc", "mhc", "mhclite")
 STREAM_DTYPES = ("float32", "bfloat16")
 WIDTHS = (768, 257)
 CCS = (80, 90)
+AUTOCASTS = ("bfloat16", "off")  # bf16 autocast (training's default) and float32
 BATCH, TIME = 2, 16
 LIMITS = {  # per SM, and the most shared memory one CTA may use
     80: dict(registers=65536, threads=2048, ctas=32, shared=164 * 1024, shared_per_cta=163 * 1024),
@@ -143,16 +144,16 @@ def compile_key(name, specialisation, cc):
     return (name, cc, *(json.dumps(sorted(map(list, d.items())), default=str) for d in specialisation))
 
 
-def measure(residuals, stream_dtypes, widths, ccs, jobs):
+def measure(residuals, stream_dtypes, widths, ccs, jobs, autocasts=AUTOCASTS):
     """One record per recorded launch, with its resources for every cc; each distinct compilation
     runs once, `jobs` at a time in worker processes. Returns (records, compilations)."""
     records, compilations = [], {}
     for residual in residuals:
         for width in widths:
             for stream_dtype in stream_dtypes:
-                for autocast in (True, False):
-                    for launch in connection_launches(residual, stream_dtype, autocast, width, BATCH, TIME, "cpu",
-                                                      run=False):
+                for autocast in autocasts:
+                    for launch in connection_launches(residual, stream_dtype, autocast == "bfloat16", width, BATCH,
+                                                      TIME, "cpu", run=False):
                         specialisation = jit_specialisation(ops.kernel(launch.kernel), launch.args,
                                                             launch.constexprs)
                         signature, constexprs, attrs, _ = specialisation
@@ -160,7 +161,7 @@ def measure(residuals, stream_dtypes, widths, ccs, jobs):
                         compilations.update({key: (launch.kernel, specialisation, cc) for cc, key in keys.items()})
                         records.append(dict(
                             kernel=launch.kernel, phase=launch.phase, residual=residual, stream_dtype=stream_dtype,
-                            autocast="bfloat16" if autocast else "off", width=width, signature=signature,
+                            autocast=autocast, width=width, signature=signature,
                             constexprs={name: constexprs[(i,)] for i, name in enumerate(signature) if (i,) in constexprs},
                             divisible=[name for i, name in enumerate(signature) if (i,) in attrs], keys=keys))
     jobs_list = list(compilations.values())
@@ -219,18 +220,21 @@ def main(argv=None):
     parser.add_argument("--stream_dtypes", type=csv_list, default=list(STREAM_DTYPES))
     parser.add_argument("--widths", type=lambda t: csv_list(t, int), default=list(WIDTHS))
     parser.add_argument("--ccs", type=lambda t: csv_list(t, int), default=list(CCS), help="compute capabilities")
+    parser.add_argument("--autocast", type=csv_list, default=list(AUTOCASTS), help="bfloat16 (autocast), off")
     parser.add_argument("--jobs", type=int, default=os.cpu_count(), help="compilations at a time")
     args = parser.parse_args(argv)
     bad = ([f"residual '{r}'" for r in args.residuals if r not in RESIDUALS]
            + [f"stream dtype '{d}'" for d in args.stream_dtypes if d not in STREAM_DTYPES]
-           + [f"cc {cc}" for cc in args.ccs if cc not in LIMITS])
+           + [f"cc {cc}" for cc in args.ccs if cc not in LIMITS]
+           + [f"autocast '{a}'" for a in args.autocast if a not in AUTOCASTS])
     if bad:
         print(f"error: unknown {bad[0]}", file=sys.stderr)
         sys.exit(2)
     exit_unless_compilable()
     import triton
     start = time.perf_counter()
-    records, compilations = measure(args.residuals, args.stream_dtypes, args.widths, args.ccs, args.jobs)
+    records, compilations = measure(args.residuals, args.stream_dtypes, args.widths, args.ccs, args.jobs,
+                                    args.autocast)
     seconds = time.perf_counter() - start
     print(f"Fused connection kernels compiled for {', '.join(f'sm_{cc}' for cc in args.ccs)} with triton "
           f"{triton.__version__} ({compilations} compilations, {seconds:.0f} s with {args.jobs} jobs); "
