@@ -6,7 +6,7 @@
 # out/bf16_streams/<run>/ and, in --doc_dir, bf16_streams.md, its figures and bf16_streams.json.
 #
 #   bash scripts/bf16_streams_study.sh [--residuals "hc mhc mhclite"] [--seeds "0 1 2"] [--depth 6]
-#                                      [--steps 300] [--out_root out/bf16_streams] [--doc_dir docs]
+#                                      [--steps 1000] [--out_root out/bf16_streams] [--doc_dir docs]
 #                                      [--data_dir data] [-- extra train.py overrides]
 # Finished runs are skipped on a rerun; the seeds run outermost, so a cut-short study has whole seeds.
 set -euo pipefail
@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 residuals="hc mhc mhclite"
 seeds="0 1 2"
 depth=6
-steps=300
+steps=1000
 out_root="out/bf16_streams"
 doc_dir="docs"
 data_dir="data"

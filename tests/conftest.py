@@ -15,6 +15,9 @@ from pathlib import Path
 # each of which imports torch again.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# Inductor's CPU code without SIMD: g++ builds it in about half the time, and what the tests check of
+# compiled models (graphs, gradients, caches, restarts) does not depend on it; GPUs never run it.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

@@ -521,8 +521,19 @@ def test_cuda_form_traces_to_what_eager_computes(residual, stream_dtype, monkeyp
     assert_compiled_matches_eager(randomise(RESIDUALS[residual](8, 4, 1), scale=0.3), stream_dtype, "aot_eager")
 
 
+@pytest.fixture
+def simd_inductor(monkeypatch):
+    """Inductor's CPU code with SIMD, as a user's machine compiles it (tests/conftest.py turns SIMD
+    off to compile faster): its sums in the order that eager's are held to at fp32 rounding."""
+    from torch._inductor import config, cpu_vec_isa
+    monkeypatch.setattr(config.cpp, "vec_isa_ok", None)
+    cpu_vec_isa.valid_vec_isa_list.cache_clear()  # the ISAs found under the setting before
+    yield
+    cpu_vec_isa.valid_vec_isa_list.cache_clear()
+
+
 @pytest.mark.slow
-def test_cuda_form_compiled_by_inductor_computes_what_eager_computes(monkeypatch):
+def test_cuda_form_compiled_by_inductor_computes_what_eager_computes(monkeypatch, simd_inductor):
     """mhclite's CUDA form compiled by inductor (its CPU backend: the fusions differ from CUDA's, the
     graphs are the same) gives eager's outputs and gradients under bf16 autocast: no bf16 rounding
     is lost in a fused kernel (inductor does not round intermediates it keeps in fp32)."""
