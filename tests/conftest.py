@@ -61,7 +61,7 @@ FUSED_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fused")
 
 # Fixtures that train or count for a while, shared by several tests: with pytest-xdist's
 # --dist loadgroup (scripts/test.sh) the tests that use one run on one worker, which builds it once.
-SHARED_FIXTURES = ("hellaswag_runs", "runs", "run_dirs", "study", "counts", "compiled_mhclite", "slurm_env",
+SHARED_FIXTURES = ("hellaswag_runs", "runs", "run_dirs", "study", "fresh", "compiled_mhclite", "slurm_env",
                    "triton_compile_cache")
 
 

@@ -59,13 +59,12 @@ STREAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 N_STREAMS, WIDTH = 4, 768
 # Multiples of every kernel's BLOCK_T, so that per-block traffic (the weight read by each program) is in the slopes.
 TOKEN_COUNTS = (64, 128)
-UNIQUE_TOKEN_COUNTS = (32, 64)  # one and two blocks of COUNTING_BLOCK_T: enough for unique bytes
 # Enough tokens that inductor's CUDA backend makes the same kernels at both (it splits small reductions).
 COMPILED_TOKEN_COUNTS = (2048, 4096)
 M_SEQUENCE = 1024  # tokens per sequence at M: a Block's compiled count runs whole sequences
-# Unique bytes only (UNIQUE_TOKEN_COUNTS, the split bytes): tokens per program at most this, for few
-# interpreted loop trips; a kernel's shipped BLOCK_T below it is kept, since its per-block outputs
-# (pre_backward_grad_x's grad scale and grad bias) are unique bytes per block.
+# Unique bytes only (the split bytes): tokens per program at most this, for few interpreted loop
+# trips; a kernel's shipped BLOCK_T below it is kept, since its per-block outputs (pre_backward_grad_x's
+# grad scale and grad bias) are unique bytes per block.
 COUNTING_BLOCK_T = 32
 M_TOKENS = 16 * 1024  # tokens per micro-step at M (16 x 1024), for the grad-W partials per token
 PARTIAL_TOKENS = 64  # two blocks of COUNTING_BLOCK_T: two splits of one block each
@@ -612,37 +611,33 @@ def per_split_bytes_per_token_at_m(residual, stream_dtype):
     return unique, executed
 
 
-def bytes_per_token(residual, stream_dtype, shipped_tiles=True):
+def bytes_per_token(residual, stream_dtype):
     """The JSON entry of one variant and stream dtype: per-token slopes between TOKEN_COUNTS at the
     shipped tiles: unique bytes per kernel ("kernels"), executed bytes, load instructions, and
-    re-read bytes by reuse distance ("rereads": {kernel: {floor(log2(bytes between)): bytes}).
-    shipped_tiles False: the unique bytes only, from the fewest interpreted loop trips."""
-    token_counts = TOKEN_COUNTS if shipped_tiles else UNIQUE_TOKEN_COUNTS
-    with counting_setup(shipped_tiles=shipped_tiles):
-        small, large = (count_connection(residual, stream_dtype, t) for t in token_counts)
-    tokens = token_counts[1] - token_counts[0]
+    re-read bytes by reuse distance ("rereads": {kernel: {floor(log2(bytes between)): bytes})."""
+    with counting_setup():
+        small, large = (count_connection(residual, stream_dtype, t) for t in TOKEN_COUNTS)
+    tokens = TOKEN_COUNTS[1] - TOKEN_COUNTS[0]
     slope = lambda big, little: (big - little) / tokens  # noqa: E731
-    keys = ("kernels", "executed", "loads") if shipped_tiles else ("kernels",)
-    entry = {key: {} for key in keys} | {"torch": 0.0}
+    keys = ("kernels", "executed", "loads")
+    entry = {key: {} for key in keys} | {"torch": 0.0, "rereads": {}}
     for phase in ("forward", "backward"):
         names = list(large[phase]["kernels"])
         for key in keys:
             entry[key].update({name: slope(large[phase][key][name], small[phase][key][name]) for name in names})
-        if shipped_tiles:
-            for name in names:
-                big, little = large[phase]["rereads"][name], small[phase]["rereads"][name]
-                by_distance = {str(d): slope(big[d], little[d]) for d in sorted(set(big) | set(little))}
-                entry.setdefault("rereads", {})[name] = {d: b for d, b in by_distance.items() if b}
+        for name in names:
+            big, little = large[phase]["rereads"][name], small[phase]["rereads"][name]
+            by_distance = {str(d): slope(big[d], little[d]) for d in sorted(set(big) | set(little))}
+            entry["rereads"][name] = {d: b for d, b in by_distance.items() if b}
         torch_share = slope(large[phase]["torch"], small[phase]["torch"])
         entry["torch"] += torch_share
         entry[phase] = sum(entry["kernels"][name] for name in names) + torch_share
     entry["total"] = entry["forward"] + entry["backward"]
-    if shipped_tiles:
-        entry["executed_total"] = sum(entry["executed"].values()) + entry["torch"]
+    entry["executed_total"] = sum(entry["executed"].values()) + entry["torch"]
     return entry
 
 
-def count_all(residuals=VARIANTS, stream_dtypes=tuple(STREAM_DTYPES), shipped_tiles=True):
+def count_all(residuals=VARIANTS, stream_dtypes=tuple(STREAM_DTYPES)):
     """{residual: {stream dtype: entry}}; each entry also has per_split_at_m and
     executed_per_split_at_m, what the split kernels move once per token split (unique, executed),
     per token at M (weight-sized, so outside the slopes; the same whatever the streams, so counted
@@ -650,7 +645,7 @@ def count_all(residuals=VARIANTS, stream_dtypes=tuple(STREAM_DTYPES), shipped_ti
     counts = {}
     for residual in residuals:
         unique, executed = per_split_bytes_per_token_at_m(residual, torch.float32)
-        counts[residual] = {name: dict(bytes_per_token(residual, STREAM_DTYPES[name], shipped_tiles=shipped_tiles),
+        counts[residual] = {name: dict(bytes_per_token(residual, STREAM_DTYPES[name]),
                                        per_split_at_m=unique, executed_per_split_at_m=executed)
                             for name in stream_dtypes}
     return counts

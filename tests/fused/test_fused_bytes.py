@@ -1,6 +1,7 @@
 """The byte counter (python -m fused.tools.count_bytes) and the fused path's budget: per token and
 connection, forward + backward, at most 7 nCs + 16 C bytes (n = 4, C = 768) for every variant and
-stream dtype. The kernels run in Triton's interpreter on CPU (tests/conftest.py sets TRITON_INTERPRET)."""
+stream dtype, read from fused/tools/kernel_bytes.json, which fresh counts keep equal to the kernels. The
+kernels run in Triton's interpreter on CPU (tests/conftest.py sets TRITON_INTERPRET)."""
 
 import json
 import os
@@ -208,21 +209,46 @@ def test_in_a_block_the_connections_move_no_more_than_alone(compiled_mhclite):
     assert block["total"] == pytest.approx(block["forward"] + block["backward"])
 
 
+CARRIED = bench_kernels.read_kernel_bytes(bench_kernels.KERNEL_BYTES)
+# One fresh count at the shipped tiles per kernel code path (hc's, the manifold variants') and stream dtype.
+FRESH = [("hc", "float32"), ("mhclite", "bfloat16")]
+
+
 @pytest.fixture(scope="module")
-def counts():
-    """Unique bytes of every variant and stream dtype, from the fewest interpreted loop trips."""
-    return count_bytes.count_all(shipped_tiles=False)
+def fresh():
+    """{(residual, stream dtype): entry} counted now in the interpreter, as the CLI counts them."""
+    return {(residual, dtype): count_bytes.count_all([residual], [dtype])[residual][dtype] for residual, dtype in FRESH}
+
+
+@pytest.mark.parametrize("residual, stream_dtype", FRESH)
+def test_the_kernel_bytes_file_the_gpu_check_carries_is_a_fresh_count(fresh, residual, stream_dtype):
+    """fused/tools/kernel_bytes.json (python -m fused.tools.count_bytes --json fused/tools/kernel_bytes.json)
+    is what python -m benchmarks.kernels reads on the GPU machine, where the interpreter never runs, and
+    what the budget tests below read: every number of it equal to a fresh count, unique and executed
+    bytes, load instructions and re-reads by distance (what fused.tools.latency reads)."""
+    assert set(CARRIED) == set(count_bytes.VARIANTS)
+    assert all(set(per_dtype) == set(count_bytes.STREAM_DTYPES) for per_dtype in CARRIED.values())
+    carried, counted = CARRIED[residual][stream_dtype], fresh[residual, stream_dtype]
+    assert set(carried) == set(counted)
+    for key in ("kernels", "executed", "loads", "torch", "forward", "backward", "total", "executed_total",
+                "per_split_at_m", "executed_per_split_at_m"):
+        assert carried[key] == pytest.approx(counted[key]), key
+    assert carried["rereads"].keys() == counted["rereads"].keys()
+    for kernel, by_distance in counted["rereads"].items():
+        assert carried["rereads"][kernel] == pytest.approx(by_distance), kernel
+    for kernel, unique in counted["kernels"].items():
+        assert counted["executed"][kernel] >= unique, kernel
 
 
 @pytest.mark.parametrize("stream_dtype", list(count_bytes.STREAM_DTYPES))
 @pytest.mark.parametrize("residual", count_bytes.VARIANTS)
-def test_bytes_per_token_within_the_floor_and_one_more_pass(counts, residual, stream_dtype):
+def test_bytes_per_token_within_the_floor_and_one_more_pass(residual, stream_dtype):
     """The forward within its share of the floor (3 nCs and the floor's 16 C of vectors). The backward
     passes over the streams 5 times where the floor has 4: post_backward reads g, the grad-x kernel
     reads x and g (its second pass over them is served by L2: executed, not unique, bytes) and writes
     grad x, the grad-W kernel reads x again (a token block's program would need a weight-sized
-    partial of its own). In all at most the floor plus that nCs and 4 C."""
-    entry = counts[residual][stream_dtype]
+    partial of its own). In all at most the floor plus that nCs and 4 C. From the carried file."""
+    entry = CARRIED[residual][stream_dtype]
     floor = count_bytes.budget(count_bytes.STREAM_DTYPES[stream_dtype])
     stream = count_bytes.N_STREAMS * count_bytes.WIDTH * torch.finfo(count_bytes.STREAM_DTYPES[stream_dtype]).bits // 8
     assert entry["forward"] <= 3 * stream + 16 * count_bytes.WIDTH, f"{residual} {stream_dtype}: {entry['forward']:.0f}"
@@ -238,47 +264,16 @@ def test_bytes_per_token_within_the_floor_and_one_more_pass(counts, residual, st
     assert entry["forward"] >= 3 * stream and entry["backward"] >= 4 * stream
 
 
-def test_cli_writes_the_json_schema(tmp_path, capsys, monkeypatch, counts):
+def test_cli_writes_the_json_schema(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(count_bytes, "count_all", lambda residuals, dtypes: {
-        r: {d: counts[r][d] for d in dtypes} for r in residuals})
+        r: {d: CARRIED[r][d] for d in dtypes} for r in residuals})
     path = tmp_path / "bytes.json"
     count_bytes.main(["--json", str(path), "--residuals", "mhclite", "--stream_dtypes", "bfloat16"])
     data = json.loads(path.read_text())
-    assert list(data) == ["mhclite"] and list(data["mhclite"]) == ["bfloat16"]
-    assert set(data["mhclite"]["bfloat16"]) == {"kernels", "torch", "forward", "backward", "total", "per_split_at_m",
-                                                "executed_per_split_at_m"}
+    assert data == {"mhclite": {"bfloat16": CARRIED["mhclite"]["bfloat16"]}}
     assert "| mhclite | bfloat16 |" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         count_bytes.main(["--residuals", "res"])
-
-
-def test_the_kernel_bytes_file_the_gpu_check_carries_is_a_fresh_count(counts):
-    """fused/tools/kernel_bytes.json (python -m fused.tools.count_bytes --json fused/tools/kernel_bytes.json)
-    is what python -m benchmarks.kernels reads on the GPU machine, where the interpreter never runs."""
-    carried = bench_kernels.read_kernel_bytes(bench_kernels.KERNEL_BYTES)
-    assert set(carried) == set(counts)
-    for residual, per_dtype in counts.items():
-        for dtype, entry in per_dtype.items():
-            assert carried[residual][dtype]["kernels"] == pytest.approx(entry["kernels"]), (residual, dtype)
-            for key in ("total", "per_split_at_m", "executed_per_split_at_m"):
-                assert carried[residual][dtype][key] == pytest.approx(entry[key]), (residual, dtype, key)
-
-
-@pytest.mark.parametrize("residual, stream_dtype", [("hc", "float32"), ("mhclite", "bfloat16")])
-def test_the_executed_bytes_in_the_kernel_bytes_file_are_a_fresh_count(residual, stream_dtype, counts):
-    """Executed bytes, load instructions and re-reads at the shipped tiles (what fused.tools.latency
-    reads), for hc's and the manifold variants' code, each stream dtype once; the unique bytes of the
-    same count agree with the quick one."""
-    carried = bench_kernels.read_kernel_bytes(bench_kernels.KERNEL_BYTES)[residual][stream_dtype]
-    fresh = count_bytes.bytes_per_token(residual, count_bytes.STREAM_DTYPES[stream_dtype])
-    assert fresh["kernels"] == pytest.approx(counts[residual][stream_dtype]["kernels"])
-    for key in ("executed", "loads", "executed_total"):
-        assert carried[key] == pytest.approx(fresh[key]), key
-    assert carried["rereads"].keys() == fresh["rereads"].keys()
-    for kernel, by_distance in fresh["rereads"].items():
-        assert carried["rereads"][kernel] == pytest.approx(by_distance), kernel
-    for kernel, unique in fresh["kernels"].items():
-        assert fresh["executed"][kernel] >= unique, kernel
 
 
 def test_the_backward_kernels_execute_little_beyond_their_unique_bytes():
@@ -286,11 +281,9 @@ def test_the_backward_kernels_execute_little_beyond_their_unique_bytes():
     its unique bytes, 49 KB per token of it such re-reads): beyond the bytes they touch, the grad-x
     kernel executes its second pass over x, g and grad u and the weight once per token block, and
     the grad-W kernel the re-reads of each token's grad z (at most 64 fp32), one per further channel
-    block. From the carried file, which test_the_executed_bytes_in_the_kernel_bytes_file_are_a_fresh_count
-    keeps fresh."""
-    carried = bench_kernels.read_kernel_bytes(bench_kernels.KERNEL_BYTES)
+    block. From the carried file."""
     record = 64 * 4
-    for residual, per_dtype in carried.items():
+    for residual, per_dtype in CARRIED.items():
         module = RESIDUALS[residual](count_bytes.WIDTH, count_bytes.N_STREAMS, 1)
         _, weight, _, _, _, _ = fused.packed_parameters(module)
         for stream_dtype, entry in per_dtype.items():
@@ -305,16 +298,16 @@ def test_the_backward_kernels_execute_little_beyond_their_unique_bytes():
 
 
 @pytest.mark.parametrize("residual", count_bytes.VARIANTS)
-def test_each_token_split_moves_its_weight_sized_bytes_once(counts, residual):
+def test_each_token_split_moves_its_weight_sized_bytes_once(residual):
     """Each token split of the grad-W kernel writes its partial once (no zero fill, never re-read
     per token block) and the sum reads it once: at M's tokens per micro-step that is per_split_at_m,
-    executed as counted."""
+    executed as counted. From the carried file."""
     module = RESIDUALS[residual](count_bytes.WIDTH, count_bytes.N_STREAMS, 1)
     _, weight, _, _, _, _ = fused.packed_parameters(module)
     weight_splits = count_bytes.splits_at_m("WEIGHT_GRAD_SPLITS")
     one_split = ops.partial_bytes_per_split(weight)
     assert one_split == 2 * weight.numel() * 4
     for stream_dtype in count_bytes.STREAM_DTYPES:
-        entry = counts[residual][stream_dtype]
+        entry = CARRIED[residual][stream_dtype]
         assert entry["per_split_at_m"] == weight_splits * one_split / count_bytes.M_TOKENS
         assert entry["executed_per_split_at_m"] == entry["per_split_at_m"]
