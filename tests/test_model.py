@@ -290,17 +290,16 @@ def test_blocks_compile_one_graph_for_every_layer(residual, graph_counter):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("residual, recompute, compile_mode", [
-    (residual, recompute, mode) for residual, recompute in (("hc", False), ("mhc", False), ("mhclite", False),
-                                                            ("mhc", True))
-    for mode in ("model", "blocks") if (residual, mode) != ("hc", "model")])
+    ("mhclite", False, "model"), ("mhc", False, "model"), ("mhc", True, "blocks"), ("hc", False, "blocks")])
 def test_inductor_compiled_gradients_match_eager(residual, recompute, compile_mode):
-    """Inductor itself, not only AOTAutograd, compiling the whole model or block by block (hc's
-    connection block by block only: the whole model's graph differs from the blocks' in where it
-    is cut, which mhc and mhclite show, not in the connection's ops). mhc's
-    connections share one compiled Sinkhorn, a nested compile region; with inductor's buffer reuse
-    on, torch 2.13 overwrites what that region saved for backward, and the gradients come out
-    wrong (an error ~1e3 times their norm) while the loss matches. Three Sinkhorn iterations trace
-    the same ops as twenty, show that fault as clearly, and compile in about half the time."""
+    """Inductor itself, not only AOTAutograd: training's default (the whole model, no recompute) for
+    mhclite and mhc, and each other setting once, with mhc, whose nested compile region is where
+    the fault below showed, and hc (the whole model's graph differs from the blocks' only in where
+    it is cut, not in a connection's ops). mhc's connections share one compiled Sinkhorn, a nested
+    compile region; with inductor's buffer reuse on, torch 2.13 overwrites what that region saved
+    for backward, and the gradients come out wrong (an error ~1e3 times their norm) while the loss
+    matches. Three Sinkhorn iterations trace the same ops as twenty, show that fault as clearly, and
+    compile in about half the time."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     n_layer = 2
