@@ -137,7 +137,7 @@ def autocast_matmul_dtype(device_type: str) -> torch.dtype | None:
 
 # ----------------------------------------------------------------------------------------------
 # Speed only: the same arithmetic in the forms that run fastest, eager on CPU and compiled on CUDA
-# (docs/benchmarks.md counts the kernels inductor makes of them, and their bytes).
+# (docs/kernels.md counts the kernels inductor makes of them, and their bytes).
 
 
 def pre_aggregate(h_pre: torch.Tensor, h_res: torch.Tensor, x: torch.Tensor):

@@ -477,7 +477,7 @@ def test_a_complete_folder_a_killed_save_left_unlinked_is_used_and_the_others_re
 
 @pytest.mark.slow
 def test_checkpoint_cost_measures_the_stall_of_sync_and_async_sharded_saves(tmp_path):
-    """benchmarks/checkpoint_cost.py --sharded, which made docs/training.md's stall table: two gloo
+    """benchmarks/checkpoint_cost.py --sharded, which made docs/scaling.md's table of save stalls: two gloo
     processes, a row per mode with the time the loop was blocked and the time until published."""
     proc = subprocess.run([sys.executable, "-m", "benchmarks.checkpoint_cost", "--sharded", "--sizes", "tiny",
                            "--residual", "res", "--repeats", "1", "--out_dir", str(tmp_path)], cwd=REPO_DIR,
