@@ -98,10 +98,10 @@ class AuthorsArithmetic:
         self.rms_eps, self.mixing_dtype = rms_eps, mixing_dtype
         self.autocast_dtype = None
 
-    def _pre(self, x):
-        # Read here: the paper's _pre computes everything after this with autocast off.
+    def pre(self, x):
+        # Read here: the paper's pre computes everything after this with autocast off.
         self.autocast_dtype = autocast_matmul_dtype(x.device.type)
-        return super()._pre(x)
+        return super().pre(x)
 
     def rounds(self, dtype):
         return self.mixing_dtype == "autocast" and dtype is not None

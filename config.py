@@ -153,16 +153,16 @@ class AuthorsSwitches:
 
 @dataclass
 class Execution:
-    """How the same model is computed: free to change when a run resumes."""
+    """How the same model is computed (speed, memory): free to change when a run resumes."""
     fused_connections: bool = setting(False, "Triton kernels for the HC family on CUDA (opt-in: slower so "
                                       "far)")
+    recompute_connections: bool = setting(False, "recompute the connections' internals in backward (memory)")
 
 
 @dataclass
 class ModelTraining:
-    """The model's settings that act on training only (regularisation, memory)."""
+    """The model's settings that act on training only (regularisation)."""
     dropout: float = setting(0.0, "dropout probability", **in_unit_interval())
-    recompute_connections: bool = setting(False, "recompute the connections' internals in backward (memory)")
 
 
 @dataclass
@@ -400,6 +400,9 @@ def resolve(cfg):
     except ValueError as e:
         raise ConfigError(str(e)) from None
     size = SIZES[cfg.size]
+    for key, value in size.shape().items():
+        if getattr(cfg, key) is None:
+            setattr(cfg, key, value)
     min_lr_from_size = cfg.min_lr is None
     if cfg.learning_rate is None:
         cfg.learning_rate = size.learning_rate

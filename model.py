@@ -19,11 +19,14 @@ from config import DEFAULT_SIZE, STREAM_DTYPES, ModelSettings, at_least, check_s
 from residuals import at_least_fp32, expand_streams, reduce_streams
 
 
+GPT2_PADDED_VOCAB = 50304  # GPT-2's 50257 tokens padded to a multiple of 64 (nanoGPT's)
+
+
 @dataclass
 class GPTConfig(ModelSettings):
     """Everything GPT(config) needs: the model settings, with the shape given (None: M's), the
     vocabulary and the seed of drawn init streams."""
-    vocab_size: int = setting(50304, "GPT-2's 50257 tokens padded to a multiple of 64", **at_least(1))
+    vocab_size: int = setting(GPT2_PADDED_VOCAB, "the tokenizer's vocabulary (GPT-2's, padded)", **at_least(1))
     init_stream_seed: int = setting(0, "seed of init_stream=drawn")
 
     def __post_init__(self):

@@ -221,7 +221,9 @@ class StreamConnection(nn.Module):
     rows that are RMS-normalised and projected) and `coefficients_from_projection(p) -> dict` with
     fp32 "h_pre" (B, T, n), "h_post" (B, T, n), "h_res" (B, T, n, n) and any extra entries worth
     recording for analysis. `stream_index` is the stream this wrapper reads at init (reset_parameters
-    reads it); `recorder` is the list capture_connections() fills, or None.
+    reads it); `recorder` is the list capture_connections() fills, or None. The steps a variation of
+    the arithmetic overrides: `projection`, `pre_aggregate`, `pre` (all that comes before the branch)
+    and, in mhc and mhclite, `residual_matrix`.
     Under bf16 autocast only the projection GEMM runs in bf16, the rest in fp32 (so mhclite's h_res
     is doubly stochastic to fp32 rounding); the output keeps the dtype of x.
     """
@@ -255,7 +257,7 @@ class StreamConnection(nn.Module):
         """The branch input u = sum_j h_pre[j] x[j] and the mixed streams h_res x (fp32)."""
         return pre_aggregate(h_pre, h_res, x)
 
-    def _pre(self, x):
+    def pre(self, x):
         """The coefficients, the branch input u and the mixed streams h_res x (all fp32)."""
         matmul_dtype = autocast_matmul_dtype(x.device.type)
         # Streams already in the GEMM's dtype are its operand as they are, not a cast of the fp32 copy;
@@ -270,9 +272,9 @@ class StreamConnection(nn.Module):
     def forward(self, x, branch):
         if self.recompute and torch.is_grad_enabled():
             # Keep only x; the coefficients and the pre-aggregation are recomputed in backward.
-            coeffs, branch_input, mixed = checkpoint(self._pre, x, use_reentrant=False)
+            coeffs, branch_input, mixed = checkpoint(self.pre, x, use_reentrant=False)
         else:
-            coeffs, branch_input, mixed = self._pre(x)
+            coeffs, branch_input, mixed = self.pre(x)
         if self.recorder is not None:
             self.record(coeffs)
         y = branch(branch_input)
@@ -284,7 +286,6 @@ class StreamConnection(nn.Module):
         norm 2nC, pre-aggregation 2nC, h_res mixing 2n^2C, post scale and add 2nC."""
         n, c = self.n_streams, self.width
         return 2 * n * n * c + 6 * n * c
-
 
     def record(self, coeffs):
         """Hand the coefficients to the capture_connections() context that set `recorder`."""

@@ -32,12 +32,11 @@ import torch
 import torch.distributed as dist
 
 from checkpoint import CheckpointError, CheckpointManager, RunOwner, SaveError, TrainState
-from config import ConfigError, help_text, load_config, model_settings, model_shape
+from config import ConfigError, help_text, load_config, model_settings
 from devices import DeviceError, autocast_context, peak_flops, setup_distributed, synchronize, tf32_matmuls
-from model import GPT, GPTConfig, connection_path_line
+from model import GPT, GPT2_PADDED_VOCAB, GPTConfig, connection_path_line
 from parallelize import materialise, parallelize
 
-GPT2_PADDED_VOCAB = 50304  # GPT-2's 50257 tokens padded to a multiple of 64
 PREPARE_COMMANDS = {
     "openwebtext": "python prepare_openwebtext.py",
     "fineweb_edu": "python prepare_fineweb_edu.py",
@@ -375,13 +374,10 @@ def log(message):
 
 
 def build_model_config(cfg, vocab_size):
-    """The GPTConfig of a run: its model settings, the size's shape where they leave it unset, the
+    """The GPTConfig of a run: its model settings (the size's shape filled in by load_config), the
     data's vocabulary, and the run's seed for drawn init streams."""
-    settings = model_settings(cfg)
-    for key, value in model_shape(cfg.size).items():
-        if settings[key] is None:
-            settings[key] = value
-    return GPTConfig(**settings, vocab_size=vocab_size, init_stream_seed=cfg.seed if cfg.init_stream == "drawn" else 0)
+    return GPTConfig(**model_settings(cfg), vocab_size=vocab_size,
+                     init_stream_seed=cfg.seed if cfg.init_stream == "drawn" else 0)
 
 
 def compile_mode(cfg, world):

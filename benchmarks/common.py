@@ -16,7 +16,7 @@ from tqdm import tqdm
 from devices import synchronize
 from fused.tools.tables import fmt, markdown_table  # noqa: F401 (the benchmarks import them from here)
 from config import STREAM_DTYPES, model_shape
-from model import GPT, GPTConfig
+from model import GPT, GPT2_PADDED_VOCAB, GPTConfig
 from residuals import RESIDUALS
 
 HC_FAMILY = ("hc", "mhc", "mhclite")
@@ -152,7 +152,7 @@ SHARED_FLAGS = {
                                 help="Triton kernels (the fused package) for the HC family where they can run "
                                      "(CUDA; on CPU under TRITON_INTERPRET=1 in the interpreter: a dry run whose "
                                      "step times mean nothing)"),
-    "--vocab_size": dict(type=int, default=50304, help="of the random tokens and the model"),
+    "--vocab_size": dict(type=int, default=GPT2_PADDED_VOCAB, help="of the random tokens and the model"),
     "--steps": dict(type=int, default=20, help="measured rounds"),
     "--warmup": dict(type=int, default=3, help="unmeasured rounds first"),
     "--seed": dict(type=int, default=0, help="of the models' init and the random data"),

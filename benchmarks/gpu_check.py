@@ -1,7 +1,7 @@
 """The GPU check: is this code correct on this GPU, and which of mhclite's connection paths is fastest
 here? One command, in parts:
 
-    python -m benchmarks.gpu_check quick          # the parts that decide the CUDA defaults, within {budget} minutes
+    python -m benchmarks.gpu_check quick          # the parts that compare the connection paths, within {budget} minutes
     python -m benchmarks.gpu_check                # every part, at M
     python -m benchmarks.gpu_check tests sharded  # some parts (a later command into the same --out adds to it)
     python -m benchmarks.gpu_check quick --device cpu --size tiny   # the CPU dry run (CI runs it)
@@ -58,15 +58,15 @@ PARTS = ("tests", "bench", "train", "others", "kernels", "sharded")
 QUICK_LIMITS = {"tests": 75, "bench": 210, "train": 195, "others": 90, "kernels": 120}
 QUICK_MINUTES = 8
 MIN_PART_SECONDS = 60
-# mhclite's connection paths, those that decide the default first: its row in bench.py's output and
-# train.py's flags.
+# mhclite's connection paths, those with fp32 streams (the verdict's choice) first: its row in
+# bench.py's output and train.py's flags.
 PATHS = {"reference": ("mhclite", []),
          "fused": ("mhclite+fused", ["--fused_connections=True"]),
          "reference + bf16 streams": ("mhclite+bf16", ["--stream_dtype=bfloat16"]),
          "fused + bf16 streams": ("mhclite+fused+bf16", ["--fused_connections=True", "--stream_dtype=bfloat16"])}
 LOSS_TOLERANCE = 2e-3  # the most a step's loss may differ from the reference path's (fp32 streams)
 KERNEL_MARGIN = 0.05  # how much faster than the reference path the kernels must be to be worth their code
-TARGETS = {"fp32 streams": 1.5, "bf16 streams": 1.3}  # mhclite's step over res's at M (the issue's targets)
+TARGETS = {"fp32 streams": 1.5, "bf16 streams": 1.3}  # mhclite's step over res's at M that we aim for
 # The sharded part's runs: (name, flags), both --parallel=fsdp on one process.
 SHARDED_RUNS = (("fsdp", []), ("fsdp + activation checkpointing", ["--activation_checkpointing=True"]))
 GPT2_TOKENS = 50257
@@ -136,7 +136,7 @@ def part_commands(part, args, scratch, results):
         return [(f"train.py, {path}", python("train.py", *train_flags(args, "mhclite", scratch, path), *flags), {})
                 for path, (_, flags) in PATHS.items()]
     if part == "others":
-        fused = kind(default_path(results) or "reference") == "fused"
+        fused = kind(fastest_correct_path(results) or "reference") == "fused"
         return [("bench.py, hc and mhc", bench_command(args, "res,hc,mhc", ["--fused_connections",
                                                                             "on" if fused else "off"],
                                                        "others.json"), {})]
@@ -384,7 +384,7 @@ def usable_paths(results):
             and bench[path]["path"] == runs[path]["path"] == kind(path)}
 
 
-def default_path(results):
+def fastest_correct_path(results):
     """The fastest path with fp32 streams whose every loss is within LOSS_TOLERANCE of the reference
     path's, or None before the bench and train parts have run."""
     correct = {path: row["x_res"] for path, (row, run) in usable_paths(results).items()
@@ -393,12 +393,12 @@ def default_path(results):
 
 
 def verdict(results):
-    """One line a GPU session acts on: the default path on CUDA, the kernels against the reference path
-    with the same streams, and mhclite's step against the targets."""
-    paths, default = usable_paths(results), default_path(results)
-    if default is None:
+    """One line to act on: the path to run on this GPU, the kernels against the reference path with
+    the same streams, and mhclite's step against the targets."""
+    paths, chosen = usable_paths(results), fastest_correct_path(results)
+    if chosen is None:
         return "no verdict: the bench and train parts must both finish, the reference path in both"
-    cells = [f"default on CUDA: {default} (the fastest with fp32 streams whose losses are within "
+    cells = [f"run on this GPU: {chosen} (the fastest with fp32 streams whose losses are within "
              f"{LOSS_TOLERANCE:g} of the reference path's)"]
     for dtype, target in TARGETS.items():
         fused, reference = named("fused", dtype), named("reference", dtype)
@@ -411,8 +411,8 @@ def verdict(results):
             speed = paths[fused][0]["x_res"] / paths[reference][0]["x_res"]
             cells.append(f"kernels / reference path, {dtype}: {speed:.2f} (at least {KERNEL_MARGIN:.0%} faster: "
                          f"{'yes' if speed <= 1 - KERNEL_MARGIN else 'no'})")
-        # the fastest with these streams: with fp32 streams the default, which trains within the tolerance
-        fastest = default if dtype == "fp32 streams" else min(
+        # the fastest with these streams: with fp32 streams the chosen path, which trains within the tolerance
+        fastest = chosen if dtype == "fp32 streams" else min(
             (path for path in paths if streams(path) == dtype), key=lambda path: paths[path][0]["x_res"], default=None)
         if fastest is not None:
             ratio = paths[fastest][0]["x_res"]

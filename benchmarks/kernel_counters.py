@@ -87,7 +87,7 @@ def replay_launches(args, device):
 
 
 def find_ncu():
-    """ncu on the PATH, else the newest under /opt/nvidia (where the GPU machines' image keeps it)."""
+    """ncu on the PATH, else the newest under /opt/nvidia (where the CUDA toolkit installs it)."""
     installed = sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu"))
     return shutil.which("ncu") or (installed[-1] if installed else None)
 

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from benchmarks.step import saved_activation_bytes
 from config import SIZES, model_shape
-from model import GPT, GPTConfig
+from model import GPT, GPT2_PADDED_VOCAB, GPTConfig
 from parallelize import apply_ac
 from residuals import RESIDUALS
 
@@ -85,7 +85,7 @@ def parse_args(argv):
     parser.add_argument("--sizes", default="S,M,L,XL,7B", help="comma-separated sizes")
     parser.add_argument("--residuals", default="res,hc,mhc,mhclite", help="comma-separated variants")
     parser.add_argument("--block_size", type=int, default=1024, help="tokens per sequence")
-    parser.add_argument("--vocab_size", type=int, default=50304)
+    parser.add_argument("--vocab_size", type=int, default=GPT2_PADDED_VOCAB, help="the tokenizer's (GPT-2's, padded)")
     parser.add_argument("--gpus", type=int, default=8, help="GPUs that FSDP2 shards over")
     parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES),
                         help="autocast dtype of the activations (train.py's on GPU: bfloat16)")

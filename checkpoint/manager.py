@@ -14,9 +14,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from checkpoint.resume import check_same_data, check_same_model, check_same_run, resume_notes
-from checkpoint.sharded import (SHARDED_NAME, STAGER_REUSE_TORCH, load_sharded, load_sharded_run, new_stager,
-                                one_line, recover_sharded, sharded_folders, sharded_path, start_sharded_save)
+from checkpoint.resume import (check_format_matches, check_same_data, check_same_model, check_same_run,
+                               optimizer_settings, resume_notes)
+from checkpoint.sharded import (SHARDED_NAME, STAGER_REUSE_TORCH, is_complete_sharded, load_sharded, load_sharded_run,
+                                new_stager, one_line, recover_sharded, sharded_folders, sharded_path,
+                                start_sharded_save)
 from checkpoint.single_file import (KEPT_FILE, CheckpointError, keep_previous, load_checkpoint, remove_stale_kept,
                                     remove_stale_temp_files, save_checkpoint)
 from model import GPT
@@ -31,9 +33,9 @@ class SaveError(Exception):
 
 def has_checkpoint(path):
     """Whether a complete checkpoint is saved at path: the file ckpt.pt, or a sharded ckpt.dcp whose
-    link names a folder with DCP's index (a save in progress or killed is only a temp file, or a
-    folder no link names)."""
-    return os.path.isfile(path) or os.path.isfile(os.path.join(path, ".metadata"))
+    link names a complete folder (a save in progress or killed is only a temp file, or a folder no
+    link names)."""
+    return os.path.isfile(path) or is_complete_sharded(path)
 
 
 def finished_step(out_dir):
@@ -264,16 +266,11 @@ class CheckpointManager:
         if ckpt is None:
             return None
         check_same_model(ckpt, dataclasses.asdict(state.model.config), self.path)
-        if not self.world.sharded and "optimizer" not in ckpt:
-            raise CheckpointError(f"{self.path} holds weights only (written from a sharded checkpoint); continue "
-                                  f"the run from its ckpt.dcp with --parallel=fsdp")
-        settings = [dict(weight_decay=group["weight_decay"], betas=group["betas"])
-                    for group in state.optimizer.param_groups]
-        if self.world.sharded:
-            load_sharded(self.path, state.model, state.optimizer)
-        state.load_state_dict(ckpt, weights=not self.world.sharded)
-        for group, values in zip(state.optimizer.param_groups, settings):
-            group.update(values)  # this run's settings, not the checkpoint's (resume_notes says which changed)
+        check_format_matches(ckpt, self.world.sharded, self.path)
+        with optimizer_settings(state.optimizer):
+            if self.world.sharded:
+                load_sharded(self.path, state.model, state.optimizer)
+            state.load_state_dict(ckpt, weights=not self.world.sharded)
         set_rng_state(ckpt["rng"][self.world.rank % len(ckpt["rng"])], self.world.device)  # the world size may change
         self.saved_step = self.started_step = state.step
         return state.step

@@ -1,7 +1,9 @@
 """What a resume may change: the settings that decide what a run is (refused when they differ),
-those a resume keeps from the checkpoint (refused), those it takes from this run (said so), and
-the model's (refused when they differ, but for the execution settings)."""
+those a resume keeps from the checkpoint (refused), those it takes from this run (said so), the
+model's (refused when they differ, but for the execution settings), and the format (a ckpt.pt
+continues without sharding, a ckpt.dcp with it)."""
 
+import contextlib
 import dataclasses
 
 from checkpoint.single_file import CheckpointError
@@ -69,3 +71,21 @@ def check_same_model(ckpt, model_args, path):
     if differ:
         pairs = ", ".join(f"{k}: checkpoint {saved.get(k)!r} vs run {model_args.get(k)!r}" for k in differ)
         raise CheckpointError(f"{path} holds a different model ({pairs})")
+
+
+def check_format_matches(ckpt, sharded, path):
+    """A ckpt.pt written from a sharded checkpoint holds the weights only: continue the sharded one.
+    (A sharded run reads ckpt.dcp, an unsharded one ckpt.pt, so the paths already differ.)"""
+    if not sharded and "optimizer" not in ckpt:
+        raise CheckpointError(f"{path} holds weights only (written from a sharded checkpoint); continue "
+                              f"the run from its ckpt.dcp with --parallel=fsdp")
+
+
+@contextlib.contextmanager
+def optimizer_settings(optimizer):
+    """Loading the optimizer's state inside keeps this run's weight decay and betas in every group,
+    not the checkpoint's (resume_notes says which changed); the learning rate is set every step."""
+    settings = [dict(weight_decay=group["weight_decay"], betas=group["betas"]) for group in optimizer.param_groups]
+    yield
+    for group, values in zip(optimizer.param_groups, settings):
+        group.update(values)

@@ -229,7 +229,10 @@ def test_a_min_lr_left_at_the_size_default_says_so():
     ["--learning_rate=3e37", "--beta1=0.9"],  # a first AdamW step of 3e38 still fits a float32
 ])
 def test_values_at_the_edges_of_their_ranges_are_accepted(args):
-    load_config(args)
+    cfg = load_config(args)
+    for arg in args:
+        key, text = arg[2:].split("=")
+        assert getattr(cfg, key) == (None if text == "None" else float(text)), arg
 
 
 def test_train_cli_rejects_a_negative_learning_rate_with_one_line():
@@ -283,7 +286,9 @@ def test_every_model_setting_reaches_the_model_config_unchanged():
     config = train.build_model_config(load_config([f"--{k}={v}" for k, v in changed.items()] + ["--seed=9"]), 77)
     assert {key: getattr(config, key) for key in changed} == changed
     assert (config.vocab_size, config.init_stream_seed) == (77, 9)
-    assert (train.build_model_config(load_config(["--size=L"]), 77).n_layer, GPTConfig().n_layer) == (24, 12)
+    large = load_config(["--size=L", "--n_head=8"])  # the size's shape where the command line leaves it
+    assert (large.n_layer, large.n_head, large.n_embd) == (24, 8, 1024)  # as config.json records it
+    assert (train.build_model_config(large, 77).n_layer, GPTConfig().n_layer) == (24, 12)
 
 
 @pytest.mark.parametrize("key, value", [("n_streams", 0), ("rms_eps", -1e-6), ("mixing_dtype", "bf16"),

@@ -1,5 +1,5 @@
 """python -m benchmarks.gpu_check: the CPU dry run of quick at tiny shapes (the GPU runs it at M), then
-the other parts into the same folder; the verdict the GPU session acts on; the parts' limits; the flags."""
+the other parts into the same folder; the verdict; the parts' limits; the flags."""
 
 import json
 import os
@@ -68,7 +68,7 @@ def test_quick_dry_run_then_the_other_parts_into_the_same_folder(tmp_path, capsy
     assert all(run["h_res_error"] < 1e-6 for run in runs.values())
     assert list(results["others"]["rows"]) == ["res", "hc", "mhc"]
     verdict = summary.splitlines()[-1]
-    assert verdict.startswith("**Verdict**: default on CUDA: reference (")
+    assert verdict.startswith("**Verdict**: run on this GPU: reference (")
     assert "kernels, fp32 streams: did not run (fused_connections=True but: " in verdict
     # every kernel's prediction (python -m fused.tools.latency) is printed beside its time
     kernel_rows = json.loads((out / "kernels.json").read_text())["kernels"]["rows"]
@@ -131,18 +131,18 @@ def results_with(fused_x_res=1.4, fused_difference=2e-4, fused_took="fused", bf1
 
 
 @pytest.mark.parametrize("results, expected", [
-    (results_with(), ["default on CUDA: fused (", "kernels / reference path, fp32 streams: 0.93 (at least 5% faster: "
+    (results_with(), ["run on this GPU: fused (", "kernels / reference path, fp32 streams: 0.93 (at least 5% faster: "
                       "yes)", "mhclite, fused: 1.40 x res (target 1.5: met), max abs(loss - reference) 2.0e-04",
                       "kernels / reference path, bf16 streams: 0.89 (at least 5% faster: yes)",
                       "mhclite, fused + bf16 streams: 1.20 x res (target 1.3: met), max abs(loss - reference) "
                       "1.2e-02"]),
-    # faster, but a loss too far from the reference path's: the reference path stays the default
-    (results_with(fused_difference=3e-3), ["default on CUDA: reference (", "mhclite, reference: 1.50 x res (target "
+    # faster, but a loss too far from the reference path's: the reference path is still the one to run
+    (results_with(fused_difference=3e-3), ["run on this GPU: reference (", "mhclite, reference: 1.50 x res (target "
                                            "1.5: met)", "fp32 streams: 0.93 (at least 5% faster: yes)"]),
-    # faster by less than the margin: the default all the same, and the verdict says so
-    (results_with(fused_x_res=1.45), ["default on CUDA: fused (", "fp32 streams: 0.97 (at least 5% faster: no)"]),
+    # faster by less than the margin: chosen all the same, and the verdict says so
+    (results_with(fused_x_res=1.45), ["run on this GPU: fused (", "fp32 streams: 0.97 (at least 5% faster: no)"]),
     # the run asked for the kernels and took the reference path: no kernels to judge
-    (results_with(fused_took="reference"), ["default on CUDA: reference (", "kernels, fp32 streams: did not run (the "
+    (results_with(fused_took="reference"), ["run on this GPU: reference (", "kernels, fp32 streams: did not run (the "
                                             "kernels' reason)"]),
     # the fastest path with bf16 streams misses its target
     (results_with(bf16_fused_x_res=1.38), ["mhclite, reference + bf16 streams: 1.35 x res (target 1.3: missed)",

@@ -573,6 +573,16 @@ def test_resumed_schedule_and_batch_settings_are_applied_and_said(two_step_run, 
     assert [r["lr"] for r in train_records[2:]] == [1e-4, 1e-4]  # past lr_decay_iters: the new min_lr
 
 
+def test_resumed_execution_settings_change_silently(two_step_run, data_dir, tmp_path, capsys):
+    """How the same model is computed (the connections recomputed in backward, the fused kernels,
+    which CPU does not take, activation checkpointing) may change on resume: no refusal, no note."""
+    capsys.readouterr()
+    train.main(resume_copy(two_step_run, data_dir, tmp_path, recompute_connections=True, fused_connections=True,
+                           activation_checkpointing=True))
+    assert notes(capsys.readouterr().out) == []
+    assert load_checkpoint(str(tmp_path / "run" / "ckpt.pt"))["step"] == 4
+
+
 @pytest.mark.parametrize("overrides, words", [
     (dict(seed=7), ("seed=1337", "seed=7", "--seed=1337")),
     (dict(dataset="toy2"), ("dataset=toy", "dataset=toy2", "--dataset=toy")),

@@ -75,7 +75,8 @@ FILLS = {"new_zeros", "new_ones", "new_full", "zeros", "ones", "full", "zeros_li
 
 
 def budget(stream_dtype, n=N_STREAMS, width=WIDTH):
-    """The floor of the issue: 7 nCs + 16 C bytes per token."""
+    """The floor: the streams read and written once in the forward (3 nCs) and in the backward
+    (4 nCs), plus a few C-wide vectors: 7 nCs + 16 C bytes per token (docs/kernels.md)."""
     return 7 * n * width * torch.finfo(stream_dtype).bits // 8 + 16 * width
 
 
