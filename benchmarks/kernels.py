@@ -11,10 +11,10 @@ For each HC-family variant with fp32 and bf16 streams, the launches of one forwa
 variant's connection are recorded (fused/tools/launches.py), then each is replayed alone and timed.
 The bytes per token per kernel come from a JSON file written by `python -m fused.tools.count_bytes
 --json PATH` on a CPU (default: fused/tools/kernel_bytes.json, which the tests keep equal to a fresh
-count), so that nothing here runs Triton's interpreter on the GPU. The predicted times at M, when given, come from
-python -m fused.tools.latency --predictions PATH, best run with --machine cuda on the same machine
-(its SMs, L2, compute capability and triton); their DRAM terms are scaled here to the copy measured
-beside the kernels. A second table times a connection's whole backward with each of SPLIT_COUNTS
+count), so that nothing here runs Triton's interpreter on the GPU. The predicted times at M, when
+given, come from python -m fused.tools.latency --predictions PATH, best run with --machine cuda on the
+same machine (its SMs, L2, compute capability and triton); their DRAM terms are scaled here to the
+copy measured beside the kernels. A second table times a connection's whole backward with each of SPLIT_COUNTS
 grad-W token splits, each with its own grad-W partial.
 """
 
