@@ -1,6 +1,6 @@
 """The authors' training code (FFTYYY/mhc-lite), where it differs from the paper as written.
 
-Each difference is one model setting (config.AuthorsSwitches) whose default is the paper's;
+Each difference is one model setting (model.AuthorsSwitches) whose default is the paper's;
 configs/authors.py sets them all to the authors' values. docs/faithfulness.md says where each is in
 their code and what it changes.
 residuals.py stays the paper; the connection subclasses here add the authors' arithmetic.
@@ -31,13 +31,6 @@ ARITHMETIC = {"rms_eps": ("hc", "mhc", "mhclite"), "mixing_dtype": ("hc", "mhc",
               "sinkhorn_order": ("mhc",), "h_res_dtype": ("mhclite",)}
 # F.normalize's floor on the L2 norm; as a floor on mean(x^2) it is this squared over the width.
 NORMALIZE_NORM_FLOOR = 1e-12
-
-
-def check(config):
-    """Raise ValueError (one line) for a setting the fused kernels lack (model.GPTConfig checks
-    each value against SETTINGS)."""
-    if config.fused_connections and any(getattr(config, key) != SETTINGS[key][0] for key in ARITHMETIC):
-        raise ValueError(f"fused_connections implements the default {', '.join(ARITHMETIC)} only")
 
 
 def arithmetic(config) -> dict:

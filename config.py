@@ -3,9 +3,9 @@
     python train.py configs/owt.py configs/S.py configs/mhclite.py --max_iters=2000 --seed=1
 
 Every setting is a field made by setting(): its one-line description, its --help group and its
-check. The model's settings come in four groups (Architecture, AuthorsSwitches, Execution,
-ModelTraining; ModelSettings holds them all, model.GPTConfig adds the vocabulary); TrainConfig
-adds the training settings. A size (SIZES) is a shape and its learning rates. Config files are
+check. The model's settings and the sizes live beside the model (model.ModelSettings, model.SIZES: a
+size is a shape and its learning rates); Execution says how the model runs (parallelize.py), and
+TrainConfig adds those and the training settings. Config files are
 plain Python assignment files (`n_layer = 6`), applied left to right; then `--key=value`
 overrides. Every value is coerced to its field's type and checked, so a typo, a wrong type or a
 value out of range is one clear `ConfigError` line instead of a failure deep inside training.
@@ -14,162 +14,18 @@ Config files may not set `dataset`, `size` or `residual` differently from an ear
 """
 
 import ast
-import math
 import os
-import re
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
-import torch
-
-import authors
-from residuals import PERM_SAMPLINGS, RESIDUALS, RMS_EPS
+from model import DEFAULT_SIZE, SIZES, STREAM_DTYPES, ModelSettings, at_least, check_settings, in_unit_interval, \
+    model_shape, setting  # noqa: F401 (STREAM_DTYPES and model_shape: the tools import them from here)
 
 REPO_DIR = os.path.dirname(os.path.abspath(__file__))
 
 # The --help groups, in the order printed.
 GROUPS = ("model", "optimizer and schedule", "data", "run and checkpoints", "parallelism")
 OPTIMIZER, DATA, RUN, PARALLEL = GROUPS[1:]
-
-# ----------------------------------------------------------------------------------------------
-# Settings that describe and check themselves
-
-
-def setting(default, help, group="model", choices=None, valid=None, requirement=None, pattern=None):
-    """A dataclass field that describes itself: `help`, the one line --help prints; `group`, the
-    heading it is listed under; its check, `choices` (or a `pattern` they name) or a predicate
-    `valid` with its `requirement` as the error states it."""
-    return field(default=default, metadata=dict(help=help, group=group, choices=choices, valid=valid,
-                                                requirement=requirement, pattern=pattern))
-
-
-def check_settings(settings):
-    """Check every field of a dataclass built with setting() against its own check; the first bad
-    value is one ValueError line. Unset optional settings (None) are not checked."""
-    for f in fields(settings):
-        value, meta = getattr(settings, f.name), f.metadata
-        if value is None or not meta:
-            continue
-        if meta["pattern"] is not None and not re.fullmatch(meta["pattern"], value) or (
-                meta["pattern"] is None and meta["choices"] is not None and value not in meta["choices"]):
-            raise ValueError(f"unknown {f.name} '{value}'; valid: {', '.join(meta['choices'])}")
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"{f.name} must be a finite number, got {value}")
-        if meta["valid"] is not None and not meta["valid"](value):
-            raise ValueError(f"{f.name} must be {meta['requirement']}, got {value}")
-
-
-def at_least(bound, note=""):
-    return dict(valid=lambda v: v >= bound, requirement=f">= {bound}{note}")
-
-
-def in_unit_interval():
-    return dict(valid=lambda v: 0 <= v < 1, requirement="in [0, 1)")
-
-
-# ----------------------------------------------------------------------------------------------
-# Sizes
-
-
-@dataclass(frozen=True)
-class Size:
-    """A model size: its shape, its peak learning rate and the cosine's end (min_lr)."""
-    n_layer: int
-    n_head: int
-    n_embd: int
-    learning_rate: float
-    min_lr: float
-
-    def shape(self) -> dict:
-        return dict(n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd)
-
-
-SIZES = {
-    # ours: the CPU demo and test model; 3e-3 trains it better than the paper's rule (docs/results.md)
-    "tiny": Size(n_layer=4, n_head=4, n_embd=128, learning_rate=3e-3, min_lr=3e-4),
-    # the paper's (Appendix A): GPT-2 small, medium and large
-    "S": Size(n_layer=6, n_head=8, n_embd=512, learning_rate=1e-3, min_lr=1e-4),
-    "M": Size(n_layer=12, n_head=12, n_embd=768, learning_rate=6e-4, min_lr=6e-5),
-    "L": Size(n_layer=24, n_head=16, n_embd=1024, learning_rate=3e-4, min_lr=3e-5),
-    # ours past the paper: GPT-2 XL's shape and GPT-3 6.7B's (sharded on 8 x 80 GB), with the paper's
-    # rule for the rates: GPT-3's for the nearest of its sizes, min lr / 10
-    "XL": Size(n_layer=48, n_head=25, n_embd=1600, learning_rate=2e-4, min_lr=2e-5),
-    "7B": Size(n_layer=32, n_head=32, n_embd=4096, learning_rate=1.2e-4, min_lr=1.2e-5),
-}
-DEFAULT_SIZE = "M"
-
-
-def model_shape(size: str) -> dict:
-    if size not in SIZES:
-        raise ValueError(f"unknown size '{size}'; valid: {', '.join(SIZES)}")
-    return SIZES[size].shape()
-
-
-# ----------------------------------------------------------------------------------------------
-# The model's settings
-
-STREAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-@dataclass
-class Architecture:
-    """What the model is: its residual connection and its shape (the Hugging Face export keeps these)."""
-    residual: str = setting("res", "the residual connection", choices=tuple(RESIDUALS))
-    n_streams: int = setting(4, "residual streams n of hc, mhc and mhclite (res has 1)", **at_least(1))
-    mhclite_perms: int | None = setting(None, "mhclite: permutations K in H_res; None: all n! (n <= 5)",
-                                        **at_least(1, " (or None: all n! permutations)"))
-    mhclite_perm_sampling: str = setting("uniform", "mhclite: how K < n! permutations are drawn (cover: the n "
-                                         "shifts first)", choices=PERM_SAMPLINGS)
-    perm_seed: int = setting(0, "mhclite: seed of the permutation draw")
-    sinkhorn_iters: int = setting(20, "mhc: Sinkhorn-Knopp iterations", **at_least(1))
-    block_size: int = setting(1024, "context length in tokens", **at_least(1))
-    n_layer: int | None = setting(None, "transformer blocks; None: the size's", **at_least(1))
-    n_head: int | None = setting(None, "attention heads; None: the size's", **at_least(1))
-    n_embd: int | None = setting(None, "width C; None: the size's", **at_least(1))
-    bias: bool = setting(False, "biases in the Linear and LayerNorm layers")
-    stream_dtype: str = setting("float32", "storage of the HC family's n streams", choices=tuple(STREAM_DTYPES))
-
-
-@dataclass
-class AuthorsSwitches:
-    """The paper as written (the defaults) or as the authors' code ran it (authors.py sets out both
-    values of each; configs/authors.py sets them all to the authors'). All but the two of
-    authors.TRAINING_ONLY change what the model computes."""
-    final_norm: str = setting("after_sum", "final LayerNorm after the stream sum, or on each stream, then the "
-                              "sum", choices=authors.SETTINGS["final_norm"])
-    rms_eps: float = setting(RMS_EPS, "inside the connections' RMS root; 0: F.normalize, the authors'",
-                             **at_least(0, " (0: the authors' F.normalize)"))
-    sinkhorn_order: str = setting("cols_then_rows", "mhc: rows exact, or columns (the authors')",
-                                  choices=authors.SETTINGS["sinkhorn_order"])
-    init_stream: str = setting("wrapper_mod_n", "the stream a wrapper reads at init; drawn (the authors'): "
-                               "seeded with seed", choices=authors.SETTINGS["init_stream"])
-    connection_weight_decay: str = setting("projections", "decayed connection parameters; authors: every >= 2-D "
-                                           "one", choices=authors.SETTINGS["connection_weight_decay"])
-    h_res_dtype: str = setting("float32", "mhclite: the permutations combined in fp32, or in bf16 under "
-                               "autocast (the authors')", choices=authors.SETTINGS["h_res_dtype"])
-    mixing_dtype: str = setting("float32", "u and h_res x in fp32, or with bf16 operands and result under "
-                                "autocast (the authors')", choices=authors.SETTINGS["mixing_dtype"])
-
-
-@dataclass
-class Execution:
-    """How the same model is computed (speed, memory): free to change when a run resumes."""
-    fused_connections: bool = setting(False, "Triton kernels for the HC family on CUDA (opt-in: slower so "
-                                      "far)")
-    recompute_connections: bool = setting(False, "recompute the connections' internals in backward (memory)")
-
-
-@dataclass
-class ModelTraining:
-    """The model's settings that act on training only (regularisation)."""
-    dropout: float = setting(0.0, "dropout probability", **in_unit_interval())
-
-
-@dataclass
-class ModelSettings(ModelTraining, Execution, AuthorsSwitches, Architecture):
-    """Every model setting, as a user sets it (train.py's "model" group), flat: a checkpoint saves
-    them by name (model_args)."""
-
 
 # ----------------------------------------------------------------------------------------------
 # The training configuration
@@ -186,9 +42,19 @@ class ConfigError(ValueError):
 
 
 @dataclass
-class TrainConfig(ModelSettings):
+class Execution:
+    """How the same model is computed (speed, memory): applied by parallelize.py, free to change
+    when a run resumes, and not part of the model's settings that a checkpoint saves."""
+    fused_connections: bool = setting(False, "Triton kernels for the HC family on CUDA (opt-in: slower so far)",
+                                      PARALLEL)
+    recompute_connections: bool = setting(False, "recompute the connections' internals in backward (memory)",
+                                          PARALLEL)
+
+
+@dataclass
+class TrainConfig(Execution, ModelSettings):
     """The model settings (inherited), then what training adds."""
-    size: str = setting(DEFAULT_SIZE, "shape and learning rates (config.SIZES; n_layer, n_head, n_embd override the "
+    size: str = setting(DEFAULT_SIZE, "shape and learning rates (model.SIZES; n_layer, n_head, n_embd override the "
                         "shape)", choices=tuple(SIZES))
     # optimizer and schedule
     learning_rate: typing.Optional[float] = setting(None, "peak learning rate; None: the size's (paper Appendix A)",

@@ -23,7 +23,7 @@ import authors
 import dataprep
 import sample
 from checkpoint import CheckpointError
-from config import Architecture, AuthorsSwitches
+from model import Architecture, AuthorsSwitches
 
 REPO_DIR = os.path.dirname(os.path.abspath(__file__))
 MODELING_FILES = ("hf/configuration_mhclite_gpt.py", "hf/modeling_mhclite_gpt.py", "residuals.py", "authors.py")

@@ -8,15 +8,147 @@ value of each is what the authors' code computes (configs/authors.py, docs/faith
 """
 
 import math
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import authors
-from config import DEFAULT_SIZE, STREAM_DTYPES, ModelSettings, at_least, check_settings, model_shape, setting
-from residuals import at_least_fp32, expand_streams, reduce_streams
+from residuals import PERM_SAMPLINGS, RESIDUALS, RMS_EPS, at_least_fp32, expand_streams, reduce_streams
+
+# ----------------------------------------------------------------------------------------------
+# Settings that describe and check themselves
+
+
+def setting(default, help, group="model", choices=None, valid=None, requirement=None, pattern=None):
+    """A dataclass field that describes itself: `help`, the one line --help prints; `group`, the
+    heading it is listed under; its check, `choices` (or a `pattern` they name) or a predicate
+    `valid` with its `requirement` as the error states it."""
+    return field(default=default, metadata=dict(help=help, group=group, choices=choices, valid=valid,
+                                                requirement=requirement, pattern=pattern))
+
+
+def check_settings(settings):
+    """Check every field of a dataclass built with setting() against its own check; the first bad
+    value is one ValueError line. Unset optional settings (None) are not checked."""
+    for f in fields(settings):
+        value, meta = getattr(settings, f.name), f.metadata
+        if value is None or not meta:
+            continue
+        if meta["pattern"] is not None and not re.fullmatch(meta["pattern"], value) or (
+                meta["pattern"] is None and meta["choices"] is not None and value not in meta["choices"]):
+            raise ValueError(f"unknown {f.name} '{value}'; valid: {', '.join(meta['choices'])}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{f.name} must be a finite number, got {value}")
+        if meta["valid"] is not None and not meta["valid"](value):
+            raise ValueError(f"{f.name} must be {meta['requirement']}, got {value}")
+
+
+def at_least(bound, note=""):
+    return dict(valid=lambda v: v >= bound, requirement=f">= {bound}{note}")
+
+
+def in_unit_interval():
+    return dict(valid=lambda v: 0 <= v < 1, requirement="in [0, 1)")
+
+
+# ----------------------------------------------------------------------------------------------
+# Sizes
+
+
+@dataclass(frozen=True)
+class Size:
+    """A model size: its shape, its peak learning rate and the cosine's end (min_lr)."""
+    n_layer: int
+    n_head: int
+    n_embd: int
+    learning_rate: float
+    min_lr: float
+
+    def shape(self) -> dict:
+        return dict(n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd)
+
+
+SIZES = {
+    # ours: the CPU demo and test model; 3e-3 trains it better than the paper's rule (docs/results.md)
+    "tiny": Size(n_layer=4, n_head=4, n_embd=128, learning_rate=3e-3, min_lr=3e-4),
+    # the paper's (Appendix A): GPT-2 small, medium and large
+    "S": Size(n_layer=6, n_head=8, n_embd=512, learning_rate=1e-3, min_lr=1e-4),
+    "M": Size(n_layer=12, n_head=12, n_embd=768, learning_rate=6e-4, min_lr=6e-5),
+    "L": Size(n_layer=24, n_head=16, n_embd=1024, learning_rate=3e-4, min_lr=3e-5),
+    # ours past the paper: GPT-2 XL's shape and GPT-3 6.7B's (sharded on 8 x 80 GB), with the paper's
+    # rule for the rates: GPT-3's for the nearest of its sizes, min lr / 10
+    "XL": Size(n_layer=48, n_head=25, n_embd=1600, learning_rate=2e-4, min_lr=2e-5),
+    "7B": Size(n_layer=32, n_head=32, n_embd=4096, learning_rate=1.2e-4, min_lr=1.2e-5),
+}
+DEFAULT_SIZE = "M"
+
+
+def model_shape(size: str) -> dict:
+    if size not in SIZES:
+        raise ValueError(f"unknown size '{size}'; valid: {', '.join(SIZES)}")
+    return SIZES[size].shape()
+
+
+# ----------------------------------------------------------------------------------------------
+# The model's settings
+
+STREAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Architecture:
+    """What the model is: its residual connection and its shape (the Hugging Face export keeps these)."""
+    residual: str = setting("res", "the residual connection", choices=tuple(RESIDUALS))
+    n_streams: int = setting(4, "residual streams n of hc, mhc and mhclite (res has 1)", **at_least(1))
+    mhclite_perms: int | None = setting(None, "mhclite: permutations K in H_res; None: all n! (n <= 5)",
+                                        **at_least(1, " (or None: all n! permutations)"))
+    mhclite_perm_sampling: str = setting("uniform", "mhclite: how K < n! permutations are drawn (cover: the n "
+                                         "shifts first)", choices=PERM_SAMPLINGS)
+    perm_seed: int = setting(0, "mhclite: seed of the permutation draw")
+    sinkhorn_iters: int = setting(20, "mhc: Sinkhorn-Knopp iterations", **at_least(1))
+    block_size: int = setting(1024, "context length in tokens", **at_least(1))
+    n_layer: int | None = setting(None, "transformer blocks; None: the size's", **at_least(1))
+    n_head: int | None = setting(None, "attention heads; None: the size's", **at_least(1))
+    n_embd: int | None = setting(None, "width C; None: the size's", **at_least(1))
+    bias: bool = setting(False, "biases in the Linear and LayerNorm layers")
+    stream_dtype: str = setting("float32", "storage of the HC family's n streams", choices=tuple(STREAM_DTYPES))
+
+
+@dataclass
+class AuthorsSwitches:
+    """The paper as written (the defaults) or as the authors' code ran it (authors.py sets out both
+    values of each; configs/authors.py sets them all to the authors'). All but the two of
+    authors.TRAINING_ONLY change what the model computes."""
+    final_norm: str = setting("after_sum", "final LayerNorm after the stream sum, or on each stream, then the "
+                              "sum", choices=authors.SETTINGS["final_norm"])
+    rms_eps: float = setting(RMS_EPS, "inside the connections' RMS root; 0: F.normalize, the authors'",
+                             **at_least(0, " (0: the authors' F.normalize)"))
+    sinkhorn_order: str = setting("cols_then_rows", "mhc: rows exact, or columns (the authors')",
+                                  choices=authors.SETTINGS["sinkhorn_order"])
+    init_stream: str = setting("wrapper_mod_n", "the stream a wrapper reads at init; drawn (the authors'): "
+                               "seeded with seed", choices=authors.SETTINGS["init_stream"])
+    connection_weight_decay: str = setting("projections", "decayed connection parameters; authors: every >= 2-D "
+                                           "one", choices=authors.SETTINGS["connection_weight_decay"])
+    h_res_dtype: str = setting("float32", "mhclite: the permutations combined in fp32, or in bf16 under "
+                               "autocast (the authors')", choices=authors.SETTINGS["h_res_dtype"])
+    mixing_dtype: str = setting("float32", "u and h_res x in fp32, or with bf16 operands and result under "
+                                "autocast (the authors')", choices=authors.SETTINGS["mixing_dtype"])
+
+
+@dataclass
+class ModelTraining:
+    """The model's settings that act on training only (regularisation)."""
+    dropout: float = setting(0.0, "dropout probability", **in_unit_interval())
+
+
+@dataclass
+class ModelSettings(ModelTraining, AuthorsSwitches, Architecture):
+    """Every model setting, as a user sets it (train.py's "model" group), flat: a checkpoint saves
+    them by name (model_args)."""
+
 
 
 GPT2_PADDED_VOCAB = 50304  # GPT-2's 50257 tokens padded to a multiple of 64 (nanoGPT's)
@@ -38,7 +170,6 @@ class GPTConfig(ModelSettings):
         check_settings(self)
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
-        authors.check(self)
 
 
 def connection_options(config: GPTConfig) -> dict:
@@ -54,8 +185,7 @@ def connection_options(config: GPTConfig) -> dict:
 def build_connection(config: GPTConfig, wrapper_index: int, stream_index: int | None = None):
     """The connection of wrapper `wrapper_index`: residuals.py's, or with the authors' arithmetic
     when config sets it (authors.py); stream_index (None: wrapper index mod n) is read at init."""
-    options = dict(recompute=config.recompute_connections, **connection_options(config),
-                   **authors.arithmetic(config))
+    options = dict(**connection_options(config), **authors.arithmetic(config))
     connection = authors.connection_class(config)(config.n_embd, config.n_streams, wrapper_index, **options)
     if stream_index is not None:
         connection.stream_index = stream_index
@@ -111,7 +241,6 @@ class Block(nn.Module):
         self.mlp = MLP(config)
         self.attn_connection = build_connection(config, 2 * layer_index, stream_indices[0])
         self.mlp_connection = build_connection(config, 2 * layer_index + 1, stream_indices[1])
-        self.fused_connections = config.fused_connections
 
     def attn_branch(self, x):
         return self.attn(self.ln_1(x))
@@ -119,18 +248,10 @@ class Block(nn.Module):
     def mlp_branch(self, x):
         return self.mlp(self.ln_2(x))
 
-    def connect(self, connection, x, branch):
-        """connection(x, branch), through the fused kernels when they can run here."""
-        if self.fused_connections:
-            import fused  # the kernels' package, imported only for models that ask for it
-            if fused.supported(connection, x):
-                return fused.connection_forward(connection, x, branch)
-        return connection(x, branch)
-
     def forward(self, x, kv_cache=None):
         attn_branch = self.attn_branch if kv_cache is None else lambda h: self.attn(self.ln_1(h), kv_cache)
-        x = self.connect(self.attn_connection, x, attn_branch)
-        x = self.connect(self.mlp_connection, x, self.mlp_branch)
+        x = self.attn_connection(x, attn_branch)
+        x = self.mlp_connection(x, self.mlp_branch)
         return x
 
 
@@ -272,28 +393,3 @@ class GPT(nn.Module):
     def estimate_mfu(self, tokens_per_iter: int, dt: float, peak_flops: float) -> float:
         """Model FLOPs utilisation: achieved training FLOP/s over the device's peak."""
         return self.flops_per_token() * tokens_per_iter / dt / peak_flops
-
-    def connection_path(self, device) -> dict:
-        """Which code runs this model's connections on `device` (see connection_path)."""
-        return connection_path(self.config, self.connections()[0], device)
-
-
-def connection_path(config, connection, device) -> dict:
-    """Which code runs `connection` of a model built from config when it runs on `device`, decided
-    as Block.connect decides it, from a stream tensor of the dtype the model's forward gives it:
-    {"path": "fused" or "reference", "why": the reason}."""
-    if not config.fused_connections:
-        return dict(path="reference", why="fused_connections=False")
-    import fused
-    dtype = STREAM_DTYPES[config.stream_dtype] if config.residual != "res" else torch.float32
-    x = torch.empty(0, 1, config.n_streams, config.n_embd, dtype=dtype, device=device)
-    reason = fused.unsupported_reason(connection, x)
-    if reason is not None:
-        return dict(path="reference", why=f"fused_connections=True but: {reason}")
-    engine = "Triton" if x.device.type == "cuda" else "Triton interpreter"
-    return dict(path="fused", why=f"{engine}, n={config.n_streams}")
-
-
-def connection_path_line(residual, path) -> str:
-    """One console line, e.g. `connections: mhclite fused (Triton, n=4)`."""
-    return f"connections: {residual} {path['path']} ({path['why']})"

@@ -1,18 +1,25 @@
-"""Memory and parallelism techniques applied from outside to a plain GPT (model.py), as
-torchtitan's parallelize does: `parallelize` checkpoints the blocks' activations (apply_ac),
-compiles (compile_model), then shards the model (apply_fsdp) or wraps it in DDP, in that order.
-A model too large for one device is built on the meta device, sharded, then given its weights
-shard by shard (materialise). model.py and residuals.py never import this file: the model a user
-copies stays a plain nn.Module.
+"""How a plain GPT (model.py) runs: techniques applied to it from outside, as torchtitan's
+parallelize applies them and Liger-Kernel swaps in its kernels. `parallelize` applies, in this
+order: the connections' recompute (apply_connection_recompute), activation checkpointing per block
+(apply_ac), the fused Triton kernels (apply_fused_connections), torch.compile (compile_model), then
+FSDP2 sharding (apply_fsdp) or DDP. A model too large for one device is built on the meta device,
+sharded, then given its weights shard by shard (materialise). model.py and residuals.py never
+import this file: the model a user copies stays a plain nn.Module, and none of these settings is
+part of what a checkpoint saves as the model.
 """
+
+import functools
+import types
 
 import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
 
 from config import COMPILE_MODES
-from residuals import HyperConnection, ManifoldHyperConnection, sinkhorn
+from model import STREAM_DTYPES
+from residuals import HyperConnection, ManifoldHyperConnection, StreamConnection, sinkhorn
 
 SHARED_SINKHORN_TORCH = (2, 13)  # checked against eager there (tests/test_model.py)
 
@@ -58,9 +65,8 @@ def compile_model(model, mode, device=None, **options):
     device = device or next(model.parameters()).device
     if mode not in COMPILE_MODES:
         raise ValueError(f"unknown compile mode '{mode}'; valid: {', '.join(COMPILE_MODES)}")
-    sinkhorn_users = [m for m in model.connections() if isinstance(m, ManifoldHyperConnection)]
-    on_reference_path = model.connection_path(device)["path"] == "reference"
-    if sinkhorn_users and on_reference_path and shares_compiled_sinkhorn(options):
+    sinkhorn_users = [m for m in model.connections() if isinstance(m, ManifoldHyperConnection) and not is_fused(m)]
+    if sinkhorn_users and shares_compiled_sinkhorn(options):
         for connection in sinkhorn_users:
             connection.sinkhorn_fn = shared_sinkhorn
         options["options"] = {**options.get("options", {}), "allow_buffer_reuse": False}
@@ -76,19 +82,86 @@ def compile_model(model, mode, device=None, **options):
 
 
 def parallelize(model, device, activation_checkpointing=False, compile_mode=None, shard=False, replicate=False,
-                compute_dtype=torch.float32):
-    """Apply to a plain GPT, in this order: activation checkpointing, torch.compile (compile_mode
-    "model" or "blocks"; None: eager), then FSDP2 sharding in place (shard) or DDP (replicate,
-    under a process group). Returns (model, train_model): what evaluation calls, and what a
-    training step calls (DDP's wrapper, whose gradient averaging evaluation does not need)."""
+                compute_dtype=torch.float32, recompute_connections=False, fused_connections=False):
+    """Apply to a plain GPT, in this order: the connections' recompute, activation checkpointing,
+    the fused kernels where they can run (connection_path says whether and why), torch.compile
+    (compile_mode "model" or "blocks"; None: eager), then FSDP2 sharding in place (shard) or DDP
+    (replicate, under a process group). Returns (model, train_model): what evaluation calls, and
+    what a training step calls (DDP's wrapper, whose gradient averaging evaluation does not need)."""
+    if recompute_connections:
+        apply_connection_recompute(model)
     if activation_checkpointing:
         apply_ac(model)
+    if fused_connections:
+        apply_fused_connections(model, device)
     runner = compile_model(model, compile_mode, device=device) if compile_mode else model
     if shard:  # in place: model's parameters become this rank's shards
         apply_fsdp(model, compute_dtype)
     if replicate:
         return runner, DDP(runner, device_ids=[device.index] if device.type == "cuda" else None)
     return runner, runner
+
+
+def apply_connection_recompute(model):
+    """Each HC-family connection in model (a GPT, or one connection) keeps only its input x for
+    backward: its coefficients and the pre-aggregation (StreamConnection.pre) are recomputed there.
+    Less memory, the same numbers."""
+    for connection in model.modules():
+        if isinstance(connection, StreamConnection):
+            connection.pre = types.MethodType(_recomputed_pre, connection)
+    return model
+
+
+def _recomputed_pre(connection, x):
+    pre = functools.partial(type(connection).pre, connection)
+    if torch.is_grad_enabled():
+        return checkpoint(pre, x, use_reentrant=False)
+    return pre(x)
+
+
+def connection_path(model, device, fused_connections) -> dict:
+    """Which code runs the model's connections on `device`: {"path": "fused" or "reference",
+    "why": the reason}, decided from a stream tensor of the dtype the model's forward gives them."""
+    if not fused_connections:
+        return dict(path="reference", why="fused_connections=False")
+    import fused  # the kernels' package, imported only when asked for
+    config = model.config
+    dtype = STREAM_DTYPES[config.stream_dtype] if config.residual != "res" else torch.float32
+    x = torch.empty(0, 1, config.n_streams, config.n_embd, dtype=dtype, device=device)
+    reason = fused.unsupported_reason(model.connections()[0], x)
+    if reason is not None:
+        return dict(path="reference", why=f"fused_connections=True but: {reason}")
+    engine = "Triton" if x.device.type == "cuda" else "Triton interpreter"
+    return dict(path="fused", why=f"{engine}, n={config.n_streams}")
+
+
+def connection_path_line(residual, path) -> str:
+    """One console line, e.g. `connections: mhclite fused (Triton, n=4)`."""
+    return f"connections: {residual} {path['path']} ({path['why']})"
+
+
+def apply_fused_connections(model, device) -> dict:
+    """Swap every connection's forward for the fused kernels' (fused.connection_forward) when
+    connection_path finds that they can run here; the parameters, and so the state dict, stay the
+    connection's own. A call the kernels cannot take (another dtype, say) runs residuals.py's
+    forward. Returns connection_path's answer."""
+    path = connection_path(model, device, fused_connections=True)
+    if path["path"] == "fused":
+        for connection in model.connections():
+            connection.forward = types.MethodType(_fused_forward, connection)
+    return path
+
+
+def _fused_forward(connection, x, branch):
+    import fused
+    if fused.supported(connection, x):
+        return fused.connection_forward(connection, x, branch)
+    return type(connection).forward(connection, x, branch)
+
+
+def is_fused(connection) -> bool:
+    """Whether apply_fused_connections swapped this connection's forward."""
+    return "forward" in vars(connection)
 
 
 def apply_ac(model):

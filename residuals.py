@@ -19,7 +19,6 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 RMS_EPS = 1e-6  # inside the connections' RMSNorm root
 
@@ -94,10 +93,9 @@ def permutations(n: int, k: int | None = None, seed: int = 0, sampling: str = "u
     return torch.tensor(chosen[:k], dtype=torch.long)
 
 
-def permutation_matrices(n: int, k: int | None = None, seed: int = 0, sampling: str = "uniform") -> torch.Tensor:
-    """The permutation matrices (k, n, n) of `permutations(n, k, seed, sampling)`, identity first."""
-    perms = permutations(n, k, seed, sampling)
-    return F.one_hot(perms, n).float()
+def permutation_matrices(perms: torch.Tensor) -> torch.Tensor:
+    """The 0/1 matrices (k, n, n) of an index set (k, n) from `permutations`: P[p, i, perms[p, i]] = 1."""
+    return F.one_hot(perms, perms.shape[-1]).float()
 
 
 def expand_streams(x: torch.Tensor, n_streams: int) -> torch.Tensor:
@@ -111,84 +109,11 @@ def reduce_streams(x: torch.Tensor) -> torch.Tensor:
     return x.sum(dim=-2, dtype=at_least_fp32(x).dtype)
 
 
-def mixes_elementwise(x: torch.Tensor) -> bool:
-    """Whether the streams of x are mixed by multiply-adds, which inductor fuses (CUDA: a matmul with
-    n = 4 is a tiny-matrix bmm, slow, and TF32 would round the coefficients), or by batched matmuls
-    (CPU, where they are fastest)."""
-    return x.device.type == "cuda"
-
-
-def mix_streams(mixer: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """sum_j mixer[..., r, j] * x[..., j, :] for mixer (..., R, n) and x (..., n, C): (..., R, C)."""
-    if not mixes_elementwise(x):
-        return mixer @ x
-    out = mixer[..., :, 0, None] * x[..., None, 0, :]
-    for j in range(1, x.shape[-2]):
-        out = torch.addcmul(out, mixer[..., :, j, None], x[..., None, j, :])
-    return out
-
-
 def autocast_matmul_dtype(device_type: str) -> torch.dtype | None:
     """The dtype autocast would give a matmul on this device now, or None outside autocast."""
     if torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return None
-
-
-# ----------------------------------------------------------------------------------------------
-# Speed only: the same arithmetic in the forms that run fastest, eager on CPU and compiled on CUDA
-# (docs/kernels.md counts the kernels inductor makes of them, and their bytes).
-
-
-def pre_aggregate(h_pre: torch.Tensor, h_res: torch.Tensor, x: torch.Tensor):
-    """(u, h_res x) for h_pre (..., n), h_res (..., n, n) and x (..., n, C): u = sum_j h_pre[j] x[j]."""
-    if mixes_elementwise(x):
-        # Two products: compiled, the backward then reads grad u and g as they are, where one product
-        # of the stacked coefficients concatenates their gradients and reads the result twice more.
-        return mix_streams(h_pre.unsqueeze(-2), x).squeeze(-2), mix_streams(h_res, x)
-    # One batched matmul of the stacked (n + 1) x n coefficients makes u, h_res x and, backward, both
-    # their gradients in one pass each: on CPU faster than two products.
-    mixer = torch.cat([h_pre.unsqueeze(-2), h_res], dim=-2)
-    branch_input, mixed = (mixer @ x).split([1, x.shape[-2]], dim=-2)
-    # A copy of u, so that the branch (which saves its input) does not keep the whole product alive.
-    return branch_input.squeeze(-2).contiguous(), mixed
-
-
-def scaled_groups(p: torch.Tensor, scales, biases) -> list[torch.Tensor]:
-    """[s_g * p_g + b_g for each group g] of p's last dim, split as the biases are, for scalar scales
-    s_g: one multiply-add over p, whose backward makes every scale's and bias's gradient in one
-    reduction over the tokens, where one per group makes a kernel or two each."""
-    sizes = [bias.shape[-1] for bias in biases]
-    scale = torch.cat([s.expand(size) for s, size in zip(scales, sizes)])
-    return (p * scale + torch.cat(biases)).split(sizes, dim=-1)
-
-
-# ----------------------------------------------------------------------------------------------
-# Capture for analysis: what every connection computed during an ordinary forward.
-
-
-@contextlib.contextmanager
-def capture_connections(module: nn.Module):
-    """Record the coefficients of every HC-family connection in `module` (a model or one
-    connection) during forward passes in this context.
-
-    Yields a list that receives one dict per connection call, in forward order, with
-    "wrapper" (index over the 2L wrappers), "residual" (name), "h_res" (B, T, n, n) with
-    x_next[i] = sum_j h_res[i, j] x[j], "h_pre" and "h_post" (B, T, n), and for mhc "logits"
-    (B, T, n, n), the Sinkhorn input's logarithm, and for mhclite "perm_weights" (B, T, K).
-    Tensors are detached fp32 copies on the model's device. Outside the context nothing is
-    recorded and nothing is computed for it.
-    """
-    records = []
-    connections = [m for m in module.modules() if isinstance(m, StreamConnection)]
-    previous = [connection.recorder for connection in connections]
-    for connection in connections:
-        connection.recorder = records
-    try:
-        yield records
-    finally:
-        for connection, recorder in zip(connections, previous):
-            connection.recorder = recorder
 
 
 # ----------------------------------------------------------------------------------------------
@@ -198,7 +123,7 @@ def capture_connections(module: nn.Module):
 class Residual(nn.Module):
     """res: x + f(x), the plain pre-norm residual (one stream)."""
 
-    def __init__(self, width: int, n_streams: int, wrapper_index: int, recompute: bool = False):
+    def __init__(self, width: int, n_streams: int, wrapper_index: int):
         super().__init__()
         if n_streams != 1:
             raise ValueError(f"res has exactly one stream, got n_streams={n_streams}")
@@ -230,13 +155,12 @@ class StreamConnection(nn.Module):
 
     name = ""
 
-    def __init__(self, width: int, n_streams: int, wrapper_index: int, recompute: bool = False):
+    def __init__(self, width: int, n_streams: int, wrapper_index: int):
         super().__init__()
         if n_streams < 1:
             raise ValueError(f"n_streams must be >= 1, got {n_streams}")
         self.width, self.n_streams, self.wrapper_index = width, n_streams, wrapper_index
         self.stream_index = wrapper_index % n_streams
-        self.recompute = recompute
         self.recorder = None
 
     def projection_weight(self):
@@ -270,11 +194,7 @@ class StreamConnection(nn.Module):
         return coeffs, branch_input, mixed
 
     def forward(self, x, branch):
-        if self.recompute and torch.is_grad_enabled():
-            # Keep only x; the coefficients and the pre-aggregation are recomputed in backward.
-            coeffs, branch_input, mixed = checkpoint(self.pre, x, use_reentrant=False)
-        else:
-            coeffs, branch_input, mixed = self.pre(x)
+        coeffs, branch_input, mixed = self.pre(x)
         if self.recorder is not None:
             self.record(coeffs)
         y = branch(branch_input)
@@ -291,6 +211,209 @@ class StreamConnection(nn.Module):
         """Hand the coefficients to the capture_connections() context that set `recorder`."""
         self.recorder.append({"wrapper": self.wrapper_index, "residual": self.name,
                               **{key: value.detach().float() for key, value in coeffs.items()}})
+
+
+class HyperConnection(StreamConnection):
+    """hc: dynamic Hyper-Connections (Zhu et al. 2024) with tanh.
+
+    Per stream i with RMS-normalised x_bar_i:
+      A_i = static_alpha[i] + s_a * tanh(x_bar_i W_a)  in R^{n+1}: column 0 = pre weight,
+                                                         columns 1.. = weights into output streams
+      B_i = static_beta[i]  + s_b * tanh(x_bar_i W_b)  (post weight)
+    so h_pre = A[:, 0], h_res = A[:, 1:] transposed (ours is [out, in]), h_post = B.
+    """
+
+    name = "hc"
+
+    def __init__(self, width, n_streams, wrapper_index):
+        super().__init__(width, n_streams, wrapper_index)
+        n = n_streams
+        self.norm_gain = nn.Parameter(torch.ones(width))
+        self.proj = nn.Linear(width, n + 2, bias=False)  # [W_a | W_b] fused
+        self.static_alpha = nn.Parameter(torch.zeros(n, n + 1))
+        self.static_beta = nn.Parameter(torch.ones(n))
+        self.scale_alpha = nn.Parameter(torch.tensor(0.01))
+        self.scale_beta = nn.Parameter(torch.tensor(0.01))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        n = self.n_streams
+        self.norm_gain.fill_(1.0)
+        self.proj.weight.zero_()
+        self.static_alpha.zero_()
+        self.static_alpha[self.stream_index, 0] = 1.0
+        self.static_alpha[:, 1:] = torch.eye(n)
+        self.static_beta.fill_(1.0)
+        self.scale_alpha.fill_(0.01)
+        self.scale_beta.fill_(0.01)
+
+    def projection_rows(self, x):
+        return x  # every stream normalised and projected on its own: (B, T, n, C)
+
+    def coefficients_from_projection(self, p):
+        n = self.n_streams
+        p = torch.tanh(p)  # (B, T, n, n+2)
+        alpha = self.static_alpha + self.scale_alpha * p[..., : n + 1]
+        beta = self.static_beta + self.scale_beta * p[..., n + 1]
+        return {"h_pre": alpha[..., 0], "h_post": beta, "h_res": alpha[..., 1:].transpose(-1, -2)}
+
+
+class ManifoldConnectionBase(StreamConnection):
+    """Shared part of mhc and mhclite (the paper's sections 2 and 3.2): one RMSNorm over all n*C entries and one
+    fused projection p = [p_pre | p_post | p_res], then
+      h_pre  = sigmoid(s_pre * p_pre + b_pre),   h_post = 2 sigmoid(s_post * p_post + b_post),
+      logits = s_res * p_res + b_res,            which subclasses turn into h_res."""
+
+    def __init__(self, width, n_streams, wrapper_index, res_logits=0):
+        super().__init__(width, n_streams, wrapper_index)
+        n = n_streams
+        self.res_logits = res_logits
+        self.norm_gain = nn.Parameter(torch.ones(n * width))
+        self.proj = nn.Linear(n * width, 2 * n + res_logits, bias=False)
+        self.bias_pre = nn.Parameter(torch.zeros(n))
+        self.bias_post = nn.Parameter(torch.zeros(n))
+        self.bias_res = nn.Parameter(torch.zeros(res_logits))
+        self.scale_pre = nn.Parameter(torch.tensor(0.01))
+        self.scale_post = nn.Parameter(torch.tensor(0.01))
+        self.scale_res = nn.Parameter(torch.tensor(0.01))
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        self.norm_gain.fill_(1.0)
+        self.proj.weight.zero_()
+        for bias in (self.bias_pre, self.bias_post):
+            bias.fill_(-1.0)
+            bias[self.stream_index] = 1.0
+        for scale in (self.scale_pre, self.scale_post, self.scale_res):
+            scale.fill_(0.01)
+
+    def projection_rows(self, x):
+        return x.flatten(-2)  # one RMSNorm over all n*C entries: (B, T, n*C)
+
+    def coefficients_from_projection(self, p):
+        pre, post, res = scaled_groups(p, (self.scale_pre, self.scale_post, self.scale_res),
+                                       (self.bias_pre, self.bias_post, self.bias_res))
+        coeffs = self.residual_matrix(res)
+        coeffs["h_pre"] = torch.sigmoid(pre)
+        coeffs["h_post"] = 2 * torch.sigmoid(post)
+        return coeffs
+
+
+class ManifoldHyperConnection(ManifoldConnectionBase):
+    """mhc: h_res = Sinkhorn-Knopp(exp(mat(logits))) with a fixed number of iterations.
+
+    `sinkhorn_fn` is the Sinkhorn it calls: `sinkhorn`, or the same function compiled once for
+    every connection (parallelize.compile_model sets it)."""
+
+    name = "mhc"
+
+    def __init__(self, width, n_streams, wrapper_index, sinkhorn_iters: int = 20):
+        super().__init__(width, n_streams, wrapper_index, res_logits=n_streams * n_streams)
+        self.sinkhorn_iters = sinkhorn_iters
+        self.sinkhorn_fn = sinkhorn
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        super().reset_parameters()
+        n = self.n_streams
+        self.bias_res.copy_(torch.full((n, n), -8.0).fill_diagonal_(0.0).flatten())
+
+    def residual_matrix(self, logits):
+        logits = logits.unflatten(-1, (self.n_streams, self.n_streams))
+        return {"h_res": self.sinkhorn_fn(logits, self.sinkhorn_iters), "logits": logits}
+
+
+class ManifoldHyperConnectionLite(ManifoldConnectionBase):
+    """mhclite: h_res = sum_k softmax(logits)_k P_k over a set of permutation matrices.
+
+    Exactly doubly stochastic by construction (Birkhoff-von Neumann): every P_k is, and the
+    weights are a convex combination. All n! permutations by default (n <= 5), else a seeded
+    subset of `num_perms` that always includes the identity.
+    """
+
+    name = "mhclite"
+
+    def __init__(self, width, n_streams, wrapper_index, num_perms: int | None = None,
+                 perm_sampling: str = "uniform", perm_seed: int = 0):
+        perms = permutations(n_streams, num_perms, perm_seed, perm_sampling)
+        super().__init__(width, n_streams, wrapper_index, res_logits=len(perms))
+        # The index set is saved with the weights, so a loaded model uses the permutations its
+        # W_res columns were trained for; the 0/1 matrix is derived from it and not saved.
+        self.register_buffer("perms", perms)
+        self.register_buffer("perm_matrices", permutation_matrices(perms).flatten(1), persistent=False)
+        self.register_load_state_dict_post_hook(lambda module, incompatible_keys: module.rebuild_permutation_matrices())
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        super().reset_parameters()
+        self.bias_res.fill_(-8.0)
+        self.bias_res[0] = 0.0  # the identity permutation comes first
+
+    def residual_matrix(self, logits):
+        weights = torch.softmax(logits, dim=-1)
+        # Exact 0/1 products and fp32 sums; a matmul here would round the weights under TF32.
+        h_res = (weights.unsqueeze(-1) * self.perm_matrices).sum(-2)
+        return {"h_res": h_res.unflatten(-1, (self.n_streams, self.n_streams)), "perm_weights": weights}
+
+    @torch.no_grad()
+    def rebuild_permutation_matrices(self):
+        """The 0/1 matrices from the loaded index set, on its device: they are derived, not saved."""
+        self.perm_matrices = permutation_matrices(self.perms).flatten(1)
+
+
+RESIDUALS = {
+    "res": Residual,
+    "hc": HyperConnection,
+    "mhc": ManifoldHyperConnection,
+    "mhclite": ManifoldHyperConnectionLite,
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Speed only: the same arithmetic in the forms that run fastest, eager on CPU and compiled on CUDA.
+
+
+def mixes_elementwise(x: torch.Tensor) -> bool:
+    """Whether the streams of x are mixed by multiply-adds, which inductor fuses (CUDA: a matmul with
+    n = 4 is a tiny-matrix bmm, slow, and TF32 would round the coefficients), or by batched matmuls
+    (CPU, where they are fastest)."""
+    return x.device.type == "cuda"
+
+
+def mix_streams(mixer: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """sum_j mixer[..., r, j] * x[..., j, :] for mixer (..., R, n) and x (..., n, C): (..., R, C)."""
+    if not mixes_elementwise(x):
+        return mixer @ x
+    out = mixer[..., :, 0, None] * x[..., None, 0, :]
+    for j in range(1, x.shape[-2]):
+        out = torch.addcmul(out, mixer[..., :, j, None], x[..., None, j, :])
+    return out
+
+
+def pre_aggregate(h_pre: torch.Tensor, h_res: torch.Tensor, x: torch.Tensor):
+    """(u, h_res x) for h_pre (..., n), h_res (..., n, n) and x (..., n, C): u = sum_j h_pre[j] x[j]."""
+    if mixes_elementwise(x):
+        # Two products: compiled, the backward then reads grad u and g as they are, where one product
+        # of the stacked coefficients concatenates their gradients and reads the result twice more.
+        return mix_streams(h_pre.unsqueeze(-2), x).squeeze(-2), mix_streams(h_res, x)
+    # One batched matmul of the stacked (n + 1) x n coefficients makes u, h_res x and, backward, both
+    # their gradients in one pass each: on CPU faster than two products.
+    mixer = torch.cat([h_pre.unsqueeze(-2), h_res], dim=-2)
+    branch_input, mixed = (mixer @ x).split([1, x.shape[-2]], dim=-2)
+    # A copy of u, so that the branch (which saves its input) does not keep the whole product alive.
+    return branch_input.squeeze(-2).contiguous(), mixed
+
+
+def scaled_groups(p: torch.Tensor, scales, biases) -> list[torch.Tensor]:
+    """[s_g * p_g + b_g for each group g] of p's last dim, split as the biases are, for scalar scales
+    s_g: one multiply-add over p, whose backward makes every scale's and bias's gradient in one
+    reduction over the tokens, where one per group makes a kernel or two each."""
+    sizes = [bias.shape[-1] for bias in biases]
+    scale = torch.cat([s.expand(size) for s, size in zip(scales, sizes)])
+    return (p * scale + torch.cat(biases)).split(sizes, dim=-1)
 
 
 def rms_projection(x, w, matmul_dtype=None, eps=RMS_EPS, operand=None):
@@ -348,161 +471,29 @@ def _matmul(a, b, operand_dtype, out_dtype):
     return (a.to(operand_dtype) @ b.to(operand_dtype)).to(out_dtype)
 
 
-class HyperConnection(StreamConnection):
-    """hc: dynamic Hyper-Connections (Zhu et al. 2024) with tanh.
+# ----------------------------------------------------------------------------------------------
+# Capture for analysis: what every connection computed during an ordinary forward.
 
-    Per stream i with RMS-normalised x_bar_i:
-      A_i = static_alpha[i] + s_a * tanh(x_bar_i W_a)  in R^{n+1}: column 0 = pre weight,
-                                                         columns 1.. = weights into output streams
-      B_i = static_beta[i]  + s_b * tanh(x_bar_i W_b)  (post weight)
-    so h_pre = A[:, 0], h_res = A[:, 1:] transposed (ours is [out, in]), h_post = B.
+
+@contextlib.contextmanager
+def capture_connections(module: nn.Module):
+    """Record the coefficients of every HC-family connection in `module` (a model or one
+    connection) during forward passes in this context.
+
+    Yields a list that receives one dict per connection call, in forward order, with
+    "wrapper" (index over the 2L wrappers), "residual" (name), "h_res" (B, T, n, n) with
+    x_next[i] = sum_j h_res[i, j] x[j], "h_pre" and "h_post" (B, T, n), and for mhc "logits"
+    (B, T, n, n), the Sinkhorn input's logarithm, and for mhclite "perm_weights" (B, T, K).
+    Tensors are detached fp32 copies on the model's device. Outside the context nothing is
+    recorded and nothing is computed for it.
     """
-
-    name = "hc"
-
-    def __init__(self, width, n_streams, wrapper_index, recompute=False):
-        super().__init__(width, n_streams, wrapper_index, recompute)
-        n = n_streams
-        self.norm_gain = nn.Parameter(torch.ones(width))
-        self.proj = nn.Linear(width, n + 2, bias=False)  # [W_a | W_b] fused
-        self.static_alpha = nn.Parameter(torch.zeros(n, n + 1))
-        self.static_beta = nn.Parameter(torch.ones(n))
-        self.scale_alpha = nn.Parameter(torch.tensor(0.01))
-        self.scale_beta = nn.Parameter(torch.tensor(0.01))
-        self.reset_parameters()
-
-    @torch.no_grad()
-    def reset_parameters(self):
-        n = self.n_streams
-        self.norm_gain.fill_(1.0)
-        self.proj.weight.zero_()
-        self.static_alpha.zero_()
-        self.static_alpha[self.stream_index, 0] = 1.0
-        self.static_alpha[:, 1:] = torch.eye(n)
-        self.static_beta.fill_(1.0)
-        self.scale_alpha.fill_(0.01)
-        self.scale_beta.fill_(0.01)
-
-    def projection_rows(self, x):
-        return x  # every stream normalised and projected on its own: (B, T, n, C)
-
-    def coefficients_from_projection(self, p):
-        n = self.n_streams
-        p = torch.tanh(p)  # (B, T, n, n+2)
-        alpha = self.static_alpha + self.scale_alpha * p[..., : n + 1]
-        beta = self.static_beta + self.scale_beta * p[..., n + 1]
-        return {"h_pre": alpha[..., 0], "h_post": beta, "h_res": alpha[..., 1:].transpose(-1, -2)}
-
-
-class ManifoldConnectionBase(StreamConnection):
-    """Shared part of mhc and mhclite (the paper's sections 2 and 3.2): one RMSNorm over all n*C entries and one
-    fused projection p = [p_pre | p_post | p_res], then
-      h_pre  = sigmoid(s_pre * p_pre + b_pre),   h_post = 2 sigmoid(s_post * p_post + b_post),
-      logits = s_res * p_res + b_res,            which subclasses turn into h_res."""
-
-    def __init__(self, width, n_streams, wrapper_index, recompute=False, res_logits=0):
-        super().__init__(width, n_streams, wrapper_index, recompute)
-        n = n_streams
-        self.res_logits = res_logits
-        self.norm_gain = nn.Parameter(torch.ones(n * width))
-        self.proj = nn.Linear(n * width, 2 * n + res_logits, bias=False)
-        self.bias_pre = nn.Parameter(torch.zeros(n))
-        self.bias_post = nn.Parameter(torch.zeros(n))
-        self.bias_res = nn.Parameter(torch.zeros(res_logits))
-        self.scale_pre = nn.Parameter(torch.tensor(0.01))
-        self.scale_post = nn.Parameter(torch.tensor(0.01))
-        self.scale_res = nn.Parameter(torch.tensor(0.01))
-
-    @torch.no_grad()
-    def reset_parameters(self):
-        self.norm_gain.fill_(1.0)
-        self.proj.weight.zero_()
-        for bias in (self.bias_pre, self.bias_post):
-            bias.fill_(-1.0)
-            bias[self.stream_index] = 1.0
-        for scale in (self.scale_pre, self.scale_post, self.scale_res):
-            scale.fill_(0.01)
-
-    def projection_rows(self, x):
-        return x.flatten(-2)  # one RMSNorm over all n*C entries: (B, T, n*C)
-
-    def coefficients_from_projection(self, p):
-        n = self.n_streams
-        pre, post, res = scaled_groups(p, (self.scale_pre, self.scale_post, self.scale_res),
-                                       (self.bias_pre, self.bias_post, self.bias_res))
-        coeffs = self.residual_matrix(res)
-        coeffs["h_pre"] = torch.sigmoid(pre)
-        coeffs["h_post"] = 2 * torch.sigmoid(post)
-        return coeffs
-
-
-class ManifoldHyperConnection(ManifoldConnectionBase):
-    """mhc: h_res = Sinkhorn-Knopp(exp(mat(logits))) with a fixed number of iterations.
-
-    `sinkhorn_fn` is the Sinkhorn it calls: `sinkhorn`, or the same function compiled once for
-    every connection (parallelize.compile_model sets it)."""
-
-    name = "mhc"
-
-    def __init__(self, width, n_streams, wrapper_index, recompute=False, sinkhorn_iters: int = 20):
-        super().__init__(width, n_streams, wrapper_index, recompute, res_logits=n_streams * n_streams)
-        self.sinkhorn_iters = sinkhorn_iters
-        self.sinkhorn_fn = sinkhorn
-        self.reset_parameters()
-
-    @torch.no_grad()
-    def reset_parameters(self):
-        super().reset_parameters()
-        n = self.n_streams
-        self.bias_res.copy_(torch.full((n, n), -8.0).fill_diagonal_(0.0).flatten())
-
-    def residual_matrix(self, logits):
-        logits = logits.unflatten(-1, (self.n_streams, self.n_streams))
-        return {"h_res": self.sinkhorn_fn(logits, self.sinkhorn_iters), "logits": logits}
-
-
-class ManifoldHyperConnectionLite(ManifoldConnectionBase):
-    """mhclite: h_res = sum_k softmax(logits)_k P_k over a set of permutation matrices.
-
-    Exactly doubly stochastic by construction (Birkhoff-von Neumann): every P_k is, and the
-    weights are a convex combination. All n! permutations by default (n <= 5), else a seeded
-    subset of `num_perms` that always includes the identity.
-    """
-
-    name = "mhclite"
-
-    def __init__(self, width, n_streams, wrapper_index, recompute=False, num_perms: int | None = None,
-                 perm_sampling: str = "uniform", perm_seed: int = 0):
-        perms = permutations(n_streams, num_perms, perm_seed, perm_sampling)
-        super().__init__(width, n_streams, wrapper_index, recompute, res_logits=len(perms))
-        # The index set is saved with the weights, so a loaded model uses the permutations its
-        # W_res columns were trained for; the 0/1 matrix is derived from it and not saved.
-        self.register_buffer("perms", perms)
-        self.register_buffer("perm_matrices", F.one_hot(perms, n_streams).float().flatten(1), persistent=False)
-        self.register_load_state_dict_post_hook(_rebuild_permutation_matrices)
-        self.reset_parameters()
-
-    @torch.no_grad()
-    def reset_parameters(self):
-        super().reset_parameters()
-        self.bias_res.fill_(-8.0)
-        self.bias_res[0] = 0.0  # the identity permutation comes first
-
-    def residual_matrix(self, logits):
-        weights = torch.softmax(logits, dim=-1)
-        # Exact 0/1 products and fp32 sums; a matmul here would round the weights under TF32.
-        h_res = (weights.unsqueeze(-1) * self.perm_matrices).sum(-2)
-        return {"h_res": h_res.unflatten(-1, (self.n_streams, self.n_streams)), "perm_weights": weights}
-
-
-@torch.no_grad()
-def _rebuild_permutation_matrices(module, incompatible_keys):
-    module.perm_matrices.copy_(F.one_hot(module.perms, module.n_streams).flatten(1))
-
-
-RESIDUALS = {
-    "res": Residual,
-    "hc": HyperConnection,
-    "mhc": ManifoldHyperConnection,
-    "mhclite": ManifoldHyperConnectionLite,
-}
+    records = []
+    connections = [m for m in module.modules() if isinstance(m, StreamConnection)]
+    previous = [connection.recorder for connection in connections]
+    for connection in connections:
+        connection.recorder = records
+    try:
+        yield records
+    finally:
+        for connection, recorder in zip(connections, previous):
+            connection.recorder = recorder

@@ -34,8 +34,8 @@ import torch.distributed as dist
 from checkpoint import CheckpointError, CheckpointManager, RunOwner, SaveError, TrainState
 from config import ConfigError, help_text, load_config, model_settings
 from devices import DeviceError, autocast_context, peak_flops, setup_distributed, synchronize, tf32_matmuls
-from model import GPT, GPT2_PADDED_VOCAB, GPTConfig, connection_path_line
-from parallelize import materialise, parallelize
+from model import GPT, GPT2_PADDED_VOCAB, GPTConfig
+from parallelize import connection_path, connection_path_line, materialise, parallelize
 
 PREPARE_COMMANDS = {
     "openwebtext": "python prepare_openwebtext.py",
@@ -407,7 +407,9 @@ def build_model(cfg, vocab_size, resuming, world, dtype):
         model.to(world.device)
     eval_model, train_model = parallelize(model, world.device, cfg.activation_checkpointing, compile_mode(cfg, world),
                                           shard=world.sharded, replicate=world.ddp and not world.sharded,
-                                          compute_dtype=torch.bfloat16 if dtype == "bfloat16" else torch.float32)
+                                          compute_dtype=torch.bfloat16 if dtype == "bfloat16" else torch.float32,
+                                          recompute_connections=cfg.recompute_connections,
+                                          fused_connections=cfg.fused_connections)
     if world.sharded:
         materialise(model, world.device, None if resuming else cfg.seed)
     return model, eval_model, train_model
@@ -415,7 +417,7 @@ def build_model(cfg, vocab_size, resuming, world, dtype):
 
 def start_out_dir(cfg, model, step, tokens_per_step, dtype, world, checkpoints):
     """Rank 0: config.json, the checkpoints' folder made ready, the run's header lines."""
-    connections = model.connection_path(world.device)  # fused kernels or residuals.py, and why
+    connections = connection_path(model, world.device, cfg.fused_connections)  # fused kernels or residuals.py, and why
     os.makedirs(cfg.out_dir, exist_ok=True)
     with open(os.path.join(cfg.out_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(dict(asdict(cfg), connections=connections), f, indent=2)

@@ -24,7 +24,7 @@ def tokens_per_s(model, prompt, new_tokens, kv_cache):
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.kv_cache", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", nargs="+", default=["tiny", "S"], help="model sizes (config.SIZES)")
+    p.add_argument("--sizes", nargs="+", default=["tiny", "S"], help="model sizes (model.SIZES)")
     p.add_argument("--residuals", nargs="+", default=["res", "hc", "mhc", "mhclite"], help="variants to time")
     p.add_argument("--block_size", type=int, default=256, help="the models' context length")
     p.add_argument("--prompt_tokens", type=int, default=16, help="tokens of the random prompt")

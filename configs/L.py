@@ -1,2 +1,2 @@
-"""L (paper Appendix A): its shape and learning rates are config.SIZES["L"]."""
+"""L (paper Appendix A): its shape and learning rates are model.SIZES["L"]."""
 size = "L"

@@ -1,2 +1,2 @@
-"""M (paper Appendix A): its shape and learning rates are config.SIZES["M"]."""
+"""M (paper Appendix A): its shape and learning rates are model.SIZES["M"]."""
 size = "M"

@@ -1,2 +1,2 @@
-"""S (paper Appendix A): its shape and learning rates are config.SIZES["S"]."""
+"""S (paper Appendix A): its shape and learning rates are model.SIZES["S"]."""
 size = "S"

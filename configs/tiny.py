@@ -1,2 +1,2 @@
-"""tiny (ours, for the CPU demo and tests): its shape and learning rates are config.SIZES["tiny"]."""
+"""tiny (ours, for the CPU demo and tests): its shape and learning rates are model.SIZES["tiny"]."""
 size = "tiny"

@@ -117,9 +117,8 @@ class MHCLiteGPTForCausalLM(PreTrainedModel, GenerationMixin):
         saved themselves, and transformers loads weights without the module's load hooks."""
         for block in self.transformer.h:
             for connection in (block.attn_connection, block.mlp_connection):
-                if hasattr(connection, "perm_matrices"):
-                    perms = connection.perms
-                    connection.perm_matrices = F.one_hot(perms, connection.n_streams).float().flatten(1)
+                if hasattr(connection, "rebuild_permutation_matrices"):
+                    connection.rebuild_permutation_matrices()
 
     def get_input_embeddings(self):
         return self.transformer.wte

@@ -13,7 +13,8 @@ from authors import AUTHORS_CONNECTIONS
 from config import REPO_DIR, load_config
 from conftest import randomise
 from model import GPT, GPTConfig
-from residuals import RESIDUALS, capture_connections, permutation_matrices, rms_projection, sinkhorn
+from parallelize import connection_path
+from residuals import RESIDUALS, capture_connections, permutation_matrices, permutations, rms_projection, sinkhorn
 
 N, C = 4, 8
 
@@ -36,9 +37,10 @@ def test_authors_config_composes_with_the_paper_run_and_sets_every_setting():
         "after_sum", 1e-6, "cols_then_rows", "wrapper_mod_n", "projections", "float32", "float32")
 
 
-def test_fused_connections_refuse_settings_the_kernels_do_not_implement():
-    with pytest.raises(ValueError, match="fused_connections implements the default"):
-        GPTConfig(residual="mhc", fused_connections=True, sinkhorn_order="rows_then_cols")
+def test_fused_kernels_decline_the_authors_arithmetic_and_say_why():
+    path = connection_path(tiny_gpt("mhc", sinkhorn_order="rows_then_cols"), torch.device("cpu"), fused_connections=True)
+    assert path["path"] == "reference"
+    assert path["why"].startswith("fused_connections=True but: ") and "authors' arithmetic" in path["why"]
 
 
 def test_per_stream_final_norm_is_layernorm_of_each_stream_then_the_sum():
@@ -163,7 +165,7 @@ def test_h_res_autocast_is_the_authors_permutation_einsum():
         connection(x, lambda u: u)
     weights, h_res = records[0]["perm_weights"], records[0]["h_res"]
     with torch.autocast("cpu", torch.bfloat16):
-        theirs = torch.einsum("...k,kij->...ij", weights, permutation_matrices(N))
+        theirs = torch.einsum("...k,kij->...ij", weights, permutation_matrices(permutations(N)))
     assert theirs.dtype == torch.bfloat16 and torch.equal(h_res, h_res.bfloat16().float())
     torch.testing.assert_close(h_res, theirs.float(), rtol=0, atol=2**-8)
     assert (h_res.sum(-1) - 1).abs().max() > 1e-5  # doubly stochastic only to bf16 rounding

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import train
-from config import GROUPS, REPO_DIR, SIZES, ConfigError, ModelSettings, TrainConfig, load_config, read_config_file
+from config import GROUPS, REPO_DIR, SIZES, ConfigError, Execution, ModelSettings, TrainConfig, load_config, read_config_file
 from conftest import one_error_line
 from model import GPTConfig
 
@@ -274,17 +274,21 @@ def test_help_lists_every_setting_once_under_its_group_with_description_and_defa
 
 
 def test_every_model_setting_reaches_the_model_config_unchanged():
-    """The run's model settings are config.ModelSettings itself (not a copy), and all of them reach
-    the GPTConfig that train.py builds: a non-default value of each survives the trip."""
-    assert issubclass(TrainConfig, ModelSettings)
+    """The run's model settings are model.ModelSettings itself (not a copy), and all of them reach
+    the GPTConfig that train.py builds: a non-default value of each survives the trip. How the model
+    runs (Execution) is not among them."""
+    assert issubclass(TrainConfig, ModelSettings) and issubclass(TrainConfig, Execution)
     changed = dict(residual="mhclite", n_streams=3, mhclite_perms=4, mhclite_perm_sampling="cover", perm_seed=5,
                    sinkhorn_iters=7, block_size=64, n_layer=3, n_head=2, n_embd=48, dropout=0.25, bias=True,
-                   stream_dtype="bfloat16", recompute_connections=True, fused_connections=False, final_norm="per_stream",
+                   stream_dtype="bfloat16", final_norm="per_stream",
                    rms_eps=0.0, sinkhorn_order="rows_then_cols", init_stream="drawn",
                    connection_weight_decay="authors", h_res_dtype="autocast", mixing_dtype="autocast")
     assert changed.keys() == {f.name for f in dataclasses.fields(ModelSettings)}
-    config = train.build_model_config(load_config([f"--{k}={v}" for k, v in changed.items()] + ["--seed=9"]), 77)
+    execution = dict(recompute_connections=True, fused_connections=True)
+    cfg = load_config([f"--{k}={v}" for k, v in {**changed, **execution}.items()] + ["--seed=9"])
+    config = train.build_model_config(cfg, 77)
     assert {key: getattr(config, key) for key in changed} == changed
+    assert not any(hasattr(config, key) for key in execution)
     assert (config.vocab_size, config.init_stream_seed) == (77, 9)
     large = load_config(["--size=L", "--n_head=8"])  # the size's shape where the command line leaves it
     assert (large.n_layer, large.n_head, large.n_embd) == (24, 8, 1024)  # as config.json records it
@@ -302,6 +306,6 @@ def test_a_model_setting_is_checked_once_the_same_from_the_command_line_and_in_c
 
 
 def test_the_size_files_set_only_the_size():
-    """A size's shape and learning rates live in config.SIZES only; the size files name the size."""
+    """A size's shape and learning rates live in model.SIZES only; the size files name the size."""
     for size in SIZES:
         assert [key for key, _ in read_config_file(os.path.join(REPO_DIR, "configs", f"{size}.py"))] == ["size"]

@@ -118,10 +118,9 @@ def test_the_permutation_set_travels_with_the_weights(hellaswag_runs, tmp_path):
 
 def test_the_export_takes_every_model_setting_but_the_training_only_ones():
     """The export takes the architecture, the vocabulary and the authors' switches that act on the
-    forward pass (config.py's groups), so a new architecture setting reaches the export's
+    forward pass (model.py's groups), so a new architecture setting reaches the export's
     config.json with no list to keep."""
-    training_only = {"dropout", "recompute_connections", "fused_connections", "init_stream", "init_stream_seed",
-                     "connection_weight_decay"}
+    training_only = {"dropout", "init_stream", "init_stream_seed", "connection_weight_decay"}
     config = GPTConfig(residual="mhclite", mixing_dtype="autocast", rms_eps=0.0, dropout=0.1)
     settings = export_hf.model_settings(config)
     assert set(settings) == {f.name for f in dataclasses.fields(GPTConfig)} - training_only

@@ -5,8 +5,7 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 import parallelize
-from config import model_shape
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, model_shape
 from parallelize import compile_model, cpu_inductor_options, shares_compiled_sinkhorn
 from residuals import capture_connections
 
@@ -167,10 +166,13 @@ def test_model_capture_covers_every_wrapper_and_keeps_output(residual):
 
 @pytest.mark.parametrize("residual", ["hc", "mhc", "mhclite"])
 def test_model_recompute_same_gradients(residual):
+    """parallelize.apply_connection_recompute changes what backward keeps, not what it computes."""
     grads = []
     for recompute in (False, True):
         torch.manual_seed(0)
-        model = GPT(tiny(residual, recompute_connections=recompute))
+        model = GPT(tiny(residual))
+        if recompute:
+            parallelize.apply_connection_recompute(model)
         _, loss = model(tokens(), tokens(seed=1))
         loss.backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})
@@ -304,7 +306,9 @@ def test_inductor_compiled_gradients_match_eager(residual, recompute, compile_mo
     torch.manual_seed(0)
     n_layer = 2
     model = GPT(GPTConfig(block_size=16, vocab_size=64, residual=residual, n_layer=n_layer, n_head=2, n_embd=32,
-                          recompute_connections=recompute, sinkhorn_iters=3))
+                          sinkhorn_iters=3))
+    if recompute:
+        parallelize.apply_connection_recompute(model)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in (p for m in model.connections() for p in m.parameters()):
