@@ -6,7 +6,5 @@
     python -m benchmarks.kv_cache             # sampling tokens/s with and without the KV cache
     python -m benchmarks.memory               # memory per GPU by size, parallel mode and checkpointing
     python -m benchmarks.checkpoint_cost      # seconds and bytes of a checkpoint save and load
-    python -m benchmarks.kernels              # each fused kernel alone (GPU)
-    python -m benchmarks.kernel_counters      # each fused kernel's hardware counters (GPU, Nsight Compute)
-    python -m benchmarks.gpu_check quick      # on a GPU: the connection paths measured, the default they decide
+    python -m benchmarks.gpu_check quick      # on a GPU: the CUDA tests, every connection path, a verdict
 """

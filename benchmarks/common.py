@@ -2,6 +2,7 @@
 model; the interleaved timing and its ratios; the flags that pick models, batches and rounds, with
 their checks; and the output (Markdown tables, a result's JSON with the command and the machine)."""
 
+import contextlib
 import datetime
 import json
 import os
@@ -9,14 +10,15 @@ import platform
 import shlex
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
 from devices import synchronize
-from fused.tools.tables import fmt, markdown_table  # noqa: F401 (the benchmarks import them from here)
 from config import STREAM_DTYPES, model_shape
 from model import GPT, GPT2_PADDED_VOCAB, GPTConfig
+from parallelize import apply_connection_recompute, apply_fused_connections
 from residuals import RESIDUALS
 
 HC_FAMILY = ("hc", "mhc", "mhclite")
@@ -35,30 +37,40 @@ class BenchError(Exception):
 # Variants and models
 
 
-def main_variants(residuals, recompute, shape, block_size, vocab_size, **hc_options):
-    """{name: GPTConfig}; with recompute="both" every HC-family variant also appears as "<name>+recompute".
-    hc_options (stream_dtype, fused_connections) go to the HC family; res stays nanoGPT."""
-    configs = {}
+@dataclass(frozen=True)
+class Variant:
+    """What a benchmark row runs: the model, and how its connections run (parallelize.py's
+    recompute and fused kernels, applied from outside as train.py applies them)."""
+    config: GPTConfig
+    recompute_connections: bool = False
+    fused_connections: bool = False
+
+
+def main_variants(residuals, recompute, shape, block_size, vocab_size, fused_connections=False, **hc_options):
+    """{name: Variant}; with recompute="both" every HC-family variant also appears as "<name>+recompute".
+    hc_options (stream_dtype) and fused_connections go to the HC family; res stays nanoGPT."""
+    variants = {}
     for residual in residuals:
         hc = residual in HC_FAMILY
         settings = ([False, True] if recompute == "both" else [recompute == "on"]) if hc else [False]
         for recompute_connections in settings:
-            configs[residual + (RECOMPUTE_SUFFIX if recompute_connections else "")] = GPTConfig(
-                block_size=block_size, vocab_size=vocab_size, residual=residual,
-                recompute_connections=recompute_connections, **(hc_options if hc else {}), **shape)
-    return configs
+            config = GPTConfig(block_size=block_size, vocab_size=vocab_size, residual=residual,
+                               **(hc_options if hc else {}), **shape)
+            variants[residual + (RECOMPUTE_SUFFIX if recompute_connections else "")] = Variant(
+                config, recompute_connections, fused_connections and hc)
+    return variants
 
 
-def with_compile_modes(configs, modes):
-    """({name: GPTConfig}, {name: compile mode}); with both modes every variant appears as "<name>"
+def with_compile_modes(variants, modes):
+    """({name: Variant}, {name: compile mode}); with both modes every variant appears as "<name>"
     (compiled as a whole model) and "<name>/blocks" (compiled block by block)."""
     if len(modes) == 1:
-        return configs, {name: modes[0] for name in configs}
+        return variants, {name: modes[0] for name in variants}
     named, compile_modes = {}, {}
-    for name, config in configs.items():
+    for name, variant in variants.items():
         for mode in modes:
             key = name + (BLOCKS_SUFFIX if mode == "blocks" else "")
-            named[key], compile_modes[key] = config, mode
+            named[key], compile_modes[key] = variant, mode
     return named, compile_modes
 
 
@@ -67,15 +79,20 @@ def same_mode_baselines(names, baseline):
     return {name: baseline + (BLOCKS_SUFFIX if name.endswith(BLOCKS_SUFFIX) else "") for name in names}
 
 
-def build_models(configs, seed, device):
-    """{name: GPT} on device, every model initialised from the same seed as train.py does."""
+def build_models(variants, seed, device):
+    """{name: GPT} on device, every model initialised from the same seed as train.py does, its
+    connections recomputed and fused as the variant says."""
     models = {}
-    for name, config in configs.items():
+    for name, variant in variants.items():
         torch.manual_seed(seed)
         try:
-            models[name] = GPT(config).to(device)
+            models[name] = GPT(variant.config).to(device)
         except ValueError as e:
             raise BenchError(f"{name}: {e}") from None
+        if variant.recompute_connections:
+            apply_connection_recompute(models[name])
+        if variant.fused_connections:
+            apply_fused_connections(models[name], device)
     return models
 
 
@@ -197,13 +214,29 @@ def resolve_shared_flags(args):
         raise BenchError("this GPU does not support bfloat16; use --dtype float32")
     args.interpret_on_cpu = (getattr(args, "fused_connections", "off") != "off" and args.device_type == "cpu"
                              and os.environ.get("TRITON_INTERPRET") == "1")
-    if args.interpret_on_cpu:
-        from fused.tools.interpreter import interpret_on_cpu
-        interpret_on_cpu()  # a dry run: inductor's work around the kernels is real, times are not
     return args
+
+
+def kernels_where_asked(args):
+    """The context a benchmark runs in: on CPU under TRITON_INTERPRET=1 with the fused kernels asked
+    for, they take CPU tensors in Triton's interpreter (a dry run: what surrounds the kernels is real,
+    their times are not), until the benchmark ends."""
+    if not args.interpret_on_cpu:
+        return contextlib.nullcontext()
+    import fused
+    return fused.interpret_on_cpu()
 
 # ----------------------------------------------------------------------------------------------
 # Output
+
+
+def fmt(value, spec):
+    return "-" if value is None else format(value, spec)
+
+
+def markdown_table(header, rows):
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
 def ratio(value, baseline_value):

@@ -27,32 +27,29 @@ from devices import autocast_context, synchronize
 from config import COMPILE_MODES, DEFAULT_COMPILE_MODE
 from parallelize import compile_model
 
-from .common import (NUM_BATCHES, BenchError, add_shared_flag, build_models, environment, fmt, main_variants,
-                     make_optimizer, markdown_table, random_batches, ratio, resolve_shared_flags, same_mode_baselines,
-                     train_step, with_compile_modes, write_json)
+from .common import (NUM_BATCHES, BenchError, add_shared_flag, build_models, environment, fmt, kernels_where_asked,
+                     main_variants, make_optimizer, markdown_table, random_batches, ratio, resolve_shared_flags,
+                     same_mode_baselines, train_step, with_compile_modes, write_json)
 
 
 def compile_probe(args, name):
     """In this process: (compile s, first step s, compiled step ms, graphs dynamo compiled) of variant `name`."""
-    if args.interpret_on_cpu:
-        from fused.tools.interpreter import interpret_on_cpu
-        interpret_on_cpu()
     configs, modes = variant_configs(args)
     device = torch.device(args.device_type)
-    model = build_models({name: configs[name]}, args.seed, device)[name]
-    optimizer = make_optimizer(model, device)
-    compiled = compile_model(model, modes[name])
-    batches = random_batches(NUM_BATCHES, args.batch_size, args.block_size, args.vocab_size, args.seed,
-                                   device)
+    batches = random_batches(NUM_BATCHES, args.batch_size, args.block_size, args.vocab_size, args.seed, device)
     ctx = autocast_context(args, device)[1]
     times = []
-    for i in range(1 + args.steps):
-        x, y = batches[i % len(batches)]
-        synchronize(device)
-        start = time.perf_counter()
-        train_step(compiled, optimizer, x, y, ctx)
-        synchronize(device)
-        times.append(time.perf_counter() - start)
+    with kernels_where_asked(args):
+        model = build_models({name: configs[name]}, args.seed, device)[name]
+        optimizer = make_optimizer(model, device)
+        compiled = compile_model(model, modes[name])
+        for i in range(1 + args.steps):
+            x, y = batches[i % len(batches)]
+            synchronize(device)
+            start = time.perf_counter()
+            train_step(compiled, optimizer, x, y, ctx)
+            synchronize(device)
+            times.append(time.perf_counter() - start)
     step_s = statistics.median(times[1:])
     return dict(compile_s=times[0] - step_s, first_step_s=times[0], step_ms=1000 * step_s,
                 graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"])
@@ -94,8 +91,7 @@ def compile_times(args):
 def variant_configs(args):
     common = dict(shape=args.shape, block_size=args.block_size, vocab_size=args.vocab_size,
                   stream_dtype=args.stream_dtype, fused_connections=args.fused_connections == "on")
-    return with_compile_modes(main_variants(args.residual_list, args.recompute, **common),
-                                    args.compile_modes)
+    return with_compile_modes(main_variants(args.residual_list, args.recompute, **common), args.compile_modes)
 
 
 def compile_table(results):

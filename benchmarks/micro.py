@@ -8,7 +8,6 @@ Markdown to stdout, JSON to --json (default out/bench/<size>-<device>-<dtype>-mi
 """
 
 import argparse
-import functools
 import math
 import os
 import sys
@@ -18,11 +17,12 @@ from torch.profiler import ProfilerActivity, profile
 
 from devices import autocast_context, synchronize
 from config import STREAM_DTYPES
-from model import GPTConfig, build_connection, connection_path
-from residuals import permutation_matrices, sinkhorn
+from model import GPTConfig
+from parallelize import connection_path
+from residuals import permutation_matrices, permutations, sinkhorn
 
-from .common import (HC_FAMILY, BenchError, add_shared_flag, environment, fmt, interleaved_times, main_variants,
-                     markdown_table, resolve_shared_flags, summarise, write_json)
+from .common import (HC_FAMILY, BenchError, add_shared_flag, build_models, environment, fmt, interleaved_times,
+                     kernels_where_asked, main_variants, markdown_table, resolve_shared_flags, summarise, write_json)
 
 
 def half(u):
@@ -30,39 +30,35 @@ def half(u):
     return 0.5 * u
 
 
-def connection_step(module, x, grad, ctx, fused):
-    """A step function: the module's forward on x with the cheap branch (through the fused kernels
-    when asked for and they can run here), and its backward."""
+def connection_step(module, x, grad, ctx):
+    """A step function: the module's forward on x with the cheap branch, and its backward."""
     inputs = [x, *module.parameters()]
-    forward = module
-    if fused:
-        import fused as kernels
-        if kernels.supported(module, x):
-            forward = functools.partial(kernels.connection_forward, module)
 
     def step(r):
         with ctx:
-            y = forward(x, half)
+            y = module(x, half)
         torch.autograd.grad(y, inputs, grad)
 
     return step
 
 
-def micro_connections(configs, args, device):
-    """Each variant's connection module alone, forward + backward at the model's (B, T, n, C)."""
+def micro_connections(variants, args, device):
+    """Each variant's connection module alone, forward + backward at the model's (B, T, n, C): the
+    first connection of a one-layer model, recomputed and fused as train.py would run it."""
     generator = torch.Generator().manual_seed(args.seed)
     ctx = autocast_context(args, device)[1]
     steps, paths = {}, {}
-    for name, config in configs.items():
+    for name, variant in variants.items():
+        config = variant.config
         shape = (args.batch_size, args.block_size, config.n_streams, config.n_embd)
         dtype = STREAM_DTYPES[config.stream_dtype] if config.residual in HC_FAMILY else torch.float32
         x = torch.randn(shape, generator=generator).to(device, dtype).requires_grad_()
         grad = torch.randn(shape, generator=generator).to(device, dtype)
-        module = build_connection(config, 0).to(device)
-        steps[name] = connection_step(module, x, grad, ctx, config.fused_connections)
-        paths[name] = connection_path(config, module, device)
+        model = build_models({name: variant}, args.seed, device)[name]
+        steps[name] = connection_step(model.connections()[0], x, grad, ctx)
+        paths[name] = connection_path(model, device, variant.fused_connections)
     times = interleaved_times(steps, args.warmup + args.steps, args.warmup, device, "micro: connections")
-    summary = summarise(times, {name: "res" for name in configs})
+    summary = summarise(times, {name: "res" for name in variants})
     for name, row in summary.items():
         row["connections"] = paths[name]
     return summary
@@ -73,7 +69,7 @@ def h_res_steps(n, rows, iters, seed, device):
     (rows, n!) logits, weighting the permutation matrices as residuals.py does)."""
     generator = torch.Generator().manual_seed(seed)
     mhc_logits = torch.randn(rows, n, n, generator=generator).to(device).requires_grad_()
-    perms = permutation_matrices(n).flatten(1).to(device)
+    perms = permutation_matrices(permutations(n)).flatten(1).to(device)
     lite_logits = torch.randn(rows, perms.shape[0], generator=generator).to(device).requires_grad_()
     grad = torch.randn(rows, n, n, generator=generator).to(device)
 
@@ -150,9 +146,9 @@ def parse_args(argv):
 
 def run(args, argv):
     device = torch.device(args.device_type)
-    configs = main_variants(args.residual_list, args.recompute, args.shape, args.block_size,
-                            GPTConfig.vocab_size,  # the connections do not use it
-                            stream_dtype=args.stream_dtype, fused_connections=args.fused_connections == "on")
+    variants = main_variants(args.residual_list, args.recompute, dict(args.shape, n_layer=1), args.block_size,
+                             vocab_size=1,  # the connections do not use it
+                             stream_dtype=args.stream_dtype, fused_connections=args.fused_connections == "on")
     result = environment(argv, device, "-m", "benchmarks.micro")
     result["settings"] = dict(size=args.size, **args.shape, batch_size=args.batch_size, block_size=args.block_size,
                               dtype=args.dtype, steps=args.steps, warmup=args.warmup, recompute=args.recompute,
@@ -161,7 +157,7 @@ def run(args, argv):
     title = (f"{args.size}, batch {args.batch_size} x {args.block_size}, {args.dtype}, HC streams {args.stream_dtype}, "
              f"fused connections {args.fused_connections}, {result['device_name']}, torch {torch.__version__}, "
              f"{args.steps} rounds after {args.warmup} warm-up")
-    result["connections"] = micro_connections(configs, args, device)
+    result["connections"] = micro_connections(variants, args, device)
     print(f"## Micro: one connection module, branch 0.5*u, {title}\n\n{connection_table(result['connections'])}\n")
     result["h_res"] = micro_h_res(args, device, GPTConfig.n_streams, GPTConfig.sinkhorn_iters)
     print(f"## Micro: H_res construction\n\n{h_res_table(result['h_res'])}\n")
@@ -172,7 +168,9 @@ def run(args, argv):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        run(resolve_shared_flags(parse_args(argv)), argv)
+        args = resolve_shared_flags(parse_args(argv))
+        with kernels_where_asked(args):
+            run(args, argv)
     except BenchError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

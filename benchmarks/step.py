@@ -27,11 +27,11 @@ from tqdm import tqdm
 from devices import autocast_context, peak_flops, synchronize
 from model import GPTConfig
 from config import COMPILE_MODES, DEFAULT_COMPILE_MODE, STREAM_DTYPES
-from parallelize import compile_model
-from parallelize import apply_ac
+from parallelize import apply_ac, compile_model, connection_path
+from residuals import RESIDUALS
 
-from .common import (BLOCKS_SUFFIX, NUM_BATCHES, SHARED_FLAGS, BenchError, build_models,
-                     environment, fmt, interleaved_times, main_variants, make_optimizer, markdown_table,
+from .common import (BLOCKS_SUFFIX, NUM_BATCHES, SHARED_FLAGS, BenchError, Variant, build_models, environment, fmt,
+                     interleaved_times, kernels_where_asked, main_variants, make_optimizer, markdown_table,
                      random_batches, ratio, resolve_shared_flags, same_mode_baselines, summarise, train_step,
                      with_compile_modes, write_json)
 
@@ -41,8 +41,7 @@ PATH_FLAGS = {"--fused_connections": "+fused", "--stream_dtype": "+bf16"}
 MEMORY_STEPS = 2  # steps measured for a variant's peak memory, after one warm-up step
 MEMORY_BUDGET_FRACTION = 0.85  # of the free GPU memory, for the variants timed side by side
 # Flags that moved out of bench.py, and the command that has them now.
-MOVED_FLAGS = {"--kernels": "python -m benchmarks.kernels", "--kernel_bytes": "python -m benchmarks.kernels",
-               "--compile_time": "python -m benchmarks.compile_time",
+MOVED_FLAGS = {"--compile_time": "python -m benchmarks.compile_time",
                "--compile_probe": "python -m benchmarks.compile_time",
                "--micro": "python -m benchmarks.micro", "--no-micro": "python -m benchmarks.micro"}
 
@@ -51,27 +50,28 @@ MOVED_FLAGS = {"--kernels": "python -m benchmarks.kernels", "--kernel_bytes": "p
 # Variants
 
 
-def sweep_variants(n_values, k_values, recompute, shape, block_size, vocab_size, **hc_options):
-    """({name: GPTConfig}, {name: baseline}) for the n/K sweep: mhc with n streams, then mhclite with
+def sweep_variants(n_values, k_values, recompute, shape, block_size, vocab_size, fused_connections=False,
+                   **hc_options):
+    """({name: Variant}, {name: baseline}) for the n/K sweep: mhc with n streams, then mhclite with
     each K <= n! (plus all n! permutations for n <= 5), each compared to that mhc."""
-    configs, baselines = {}, {}
+    variants, baselines = {}, {}
     for n in n_values:
-        common = dict(block_size=block_size, vocab_size=vocab_size, n_streams=n,
-                      recompute_connections=recompute == "on", **hc_options, **shape)
+        common = dict(block_size=block_size, vocab_size=vocab_size, n_streams=n, **hc_options, **shape)
+        running = dict(recompute_connections=recompute == "on", fused_connections=fused_connections)
         baseline = f"mhc n={n}"
-        configs[baseline] = GPTConfig(residual="mhc", **common)
+        variants[baseline] = Variant(GPTConfig(residual="mhc", **common), **running)
         budgets = [k for k in k_values if k <= math.factorial(n)] + ([None] if n <= 5 else [])
         if not budgets:
             raise BenchError(f"no mhclite permutation budget K <= {n}! = {math.factorial(n)} in --k_sweep "
                              f"{','.join(map(str, k_values))}")
         for k in dict.fromkeys(None if k == math.factorial(n) else k for k in budgets):  # K = n! is "all"
-            configs[f"mhclite n={n} K={k or math.factorial(n)}"] = GPTConfig(residual="mhclite", mhclite_perms=k,
-                                                                           **common)
-        baselines.update({name: baseline for name in configs if name not in baselines})
-    return configs, baselines
+            variants[f"mhclite n={n} K={k or math.factorial(n)}"] = Variant(
+                GPTConfig(residual="mhclite", mhclite_perms=k, **common), **running)
+        baselines.update({name: baseline for name in variants if name not in baselines})
+    return variants, baselines
 
 
-class Variant:
+class Built:
     """A model, its optimizer and what a step calls (the model or its compiled form), built once."""
 
     def __init__(self, model, optimizer, runner):
@@ -87,8 +87,9 @@ class Variant:
 
 
 def path_variants(args, **common):
-    """{name: GPTConfig} of main_variants on each connection path asked for: --fused_connections both
-    and --stream_dtype both add a "+fused" and a "+bf16" (streams) row per HC-family variant."""
+    """{name: Variant} of main_variants on each connection path asked for: --fused_connections both
+    and --stream_dtype both add a "+fused" and a "+bf16" (streams) row per HC-family variant of
+    --path_rows."""
     fused = [False, True] if args.fused_connections == "both" else [args.fused_connections == "on"]
     stream_dtypes = list(STREAM_DTYPES) if args.stream_dtype == "both" else [args.stream_dtype]
     configs = {}
@@ -96,14 +97,15 @@ def path_variants(args, **common):
         for stream_dtype in stream_dtypes:
             suffix = ((PATH_FLAGS["--fused_connections"] if fused_connections and len(fused) > 1 else "")
                       + (PATH_FLAGS["--stream_dtype"] if stream_dtype == "bfloat16" and len(stream_dtypes) > 1 else ""))
-            for name, config in main_variants(args.residual_list, args.recompute, stream_dtype=stream_dtype,
-                                              fused_connections=fused_connections, **common).items():
-                configs.setdefault(name if config.residual == "res" else name + suffix, config)
+            residuals = [r for r in args.residual_list if not suffix or r in args.path_rows]
+            for name, variant in main_variants(residuals, args.recompute, stream_dtype=stream_dtype,
+                                               fused_connections=fused_connections, **common).items():
+                configs.setdefault(name if variant.config.residual == "res" else name + suffix, variant)
     return configs
 
 
 def with_activation_checkpointing(configs, setting):
-    """({name: GPTConfig}, names whose blocks are checkpointed): "on" checkpoints every variant,
+    """({name: Variant}, names whose blocks are checkpointed): "on" checkpoints every variant,
     "both" adds "<name>+ac" next to each."""
     if setting == "off":
         return configs, set()
@@ -229,7 +231,7 @@ def bench_models(configs, baselines, compile_modes, args, device, checkpointed=f
         if name in checkpointed:
             apply_ac(model)
         runner = compile_model(model, compile_modes[name]) if args.use_compile else model
-        variants[name] = Variant(model, make_optimizer(model, device), runner)
+        variants[name] = Built(model, make_optimizer(model, device), runner)
         if measure:
             memory[name] = step_memory(variants[name], batches, ctx, device)
             to_host([variants[name]], device)
@@ -252,16 +254,17 @@ def bench_models(configs, baselines, compile_modes, args, device, checkpointed=f
         for name, row in summarise(times, baselines).items():
             if name in summary:
                 continue  # a baseline timed again in a later group keeps its first row
-            model, config, seconds = variants[name].model, configs[name], row["median_ms"] / 1000
+            model, variant, seconds = variants[name].model, configs[name], row["median_ms"] / 1000
+            config = variant.config
             row.update(residual=config.residual, n_streams=config.n_streams, mhclite_perms=config.mhclite_perms,
-                       recompute=config.recompute_connections, stream_dtype=config.stream_dtype,
-                       fused_connections=config.fused_connections, compile_mode=compile_modes[name],
+                       recompute=variant.recompute_connections, stream_dtype=config.stream_dtype,
+                       fused_connections=variant.fused_connections, compile_mode=compile_modes[name],
                        activation_checkpointing=name in checkpointed,
                        params=model.get_num_params(), timing_group=index, tokens_per_s=tokens_per_step / seconds,
                        mfu=model.estimate_mfu(tokens_per_step, seconds, args.peak) if args.peak else None,
                        saved_activation_bytes=saved_activation_bytes(model, *batches[0], ctx),
                        cuda_peak_bytes=sum(memory[name]) if measure else None,
-                       connections=model.connection_path(device))
+                       connections=connection_path(model, device, variant.fused_connections))
             summary[name] = row
         if measure:
             to_host([variants[name] for name in group], device)
@@ -354,6 +357,9 @@ def parse_args(argv):
     parser.add_argument("--activation_checkpointing", default="off", choices=["off", "on", "both"],
                         help="recompute each block in backward (train.py's --activation_checkpointing); both: a "
                              "'+ac' row next to each variant")
+    parser.add_argument("--path_rows", default="hc,mhc,mhclite",
+                        help="the variants that get a row per connection path with --fused_connections both or "
+                             "--stream_dtype both (the others: one row, on the first path)")
     parser.add_argument("--n_sweep", type=int_list, help="stream counts n: mhclite vs mhc per n (e.g. 4,6,8)")
     parser.add_argument("--k_sweep", type=int_list, default=[8, 32, 128],
                         help="mhclite permutation budgets K for --n_sweep (K <= n!; all n! added for n <= 5)")
@@ -366,6 +372,10 @@ def resolve(args):
     """Checks the settings and fills in the derived ones (or raises BenchError)."""
     resolve_shared_flags(args)
     args.use_compile = args.compile == "on" or (args.compile == "auto" and args.device_type == "cuda")
+    args.path_rows = [r.strip() for r in args.path_rows.split(",") if r.strip()]
+    unknown = [r for r in args.path_rows if r not in RESIDUALS]
+    if unknown:
+        raise BenchError(f"unknown residual '{unknown[0]}' in --path_rows; valid: {', '.join(RESIDUALS)}")
     args.compile_modes = list(COMPILE_MODES) if args.compile_mode == "both" else [args.compile_mode]
     if args.compile_mode == "both" and args.n_sweep:
         raise BenchError("--compile_mode both compares the --residuals variants; run it without --n_sweep")
@@ -425,7 +435,9 @@ def run(args, argv):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        run(resolve(parse_args(argv)), argv)
+        args = resolve(parse_args(argv))
+        with kernels_where_asked(args):
+            run(args, argv)
     except BenchError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

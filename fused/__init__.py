@@ -1,5 +1,6 @@
-"""The HC-family connections (hc, mhc, mhclite) through Triton kernels: the one entry point model.py
-calls when fused_connections=True.
+"""The HC-family connections (hc, mhc, mhclite) through Triton kernels, a package a user can ignore:
+parallelize.apply_fused_connections (train.py's fused_connections=True) swaps connection_forward in
+for the connections' own forward, from outside the model.
 
 `connection_forward(module, x, branch)` computes what `module(x, branch)` computes in residuals.py
 (StreamConnection.forward) for n = 4 streams, in two custom ops around the branch (ops.py), each
@@ -10,12 +11,12 @@ with one forward kernel and its backward kernels (kernels.py; connection_pre's b
     x_next = connection_post(x, h_post, h_res, y, next_grad)
 
 CUDA is the target. On CPU the same kernels run in Triton's interpreter, for tests and dry runs
-only: a CPU tensor takes this path only when INTERPRET_ON_CPU is set (tools/interpreter.py) and
-TRITON_INTERPRET=1, which must be set before triton is imported (kernels.py, imported at the first
-kernel launch, imports it). The tools that exist only for developing the kernels (byte counter,
-resource check, launch recording, interpreter fixes) are in tools/; nothing here imports them.
+only: a CPU tensor takes this path only inside `interpret_on_cpu()` (or with INTERPRET_ON_CPU set)
+and with TRITON_INTERPRET=1, which must be set before triton is imported (kernels.py, imported at
+the first kernel launch, imports it).
 """
 
+import contextlib
 import importlib.util
 import os
 
@@ -27,7 +28,7 @@ from .ops import MIN_SINKHORN_ITERS, STREAMS, connection_post, connection_pre
 
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 
-# Tests and dry runs set this to drive the kernels through Triton's interpreter on CPU tensors.
+# Set inside interpret_on_cpu(): the kernels take CPU tensors, in Triton's interpreter.
 INTERPRET_ON_CPU = False
 
 STREAM_DTYPES = (torch.float32, torch.bfloat16)
@@ -62,6 +63,18 @@ def unsupported_reason(module, x) -> str | None:
     if x.device.type == "cpu" and INTERPRET_ON_CPU and os.environ.get("TRITON_INTERPRET") == "1":
         return None
     return "the kernels run on CUDA tensors (on CPU only in Triton's interpreter, for tests)"
+
+
+@contextlib.contextmanager
+def interpret_on_cpu():
+    """Inside the block connection_forward takes CPU tensors, run in Triton's interpreter under
+    TRITON_INTERPRET=1 (a dry run: what surrounds the kernels is real, their times are not)."""
+    global INTERPRET_ON_CPU
+    saved, INTERPRET_ON_CPU = INTERPRET_ON_CPU, True
+    try:
+        yield
+    finally:
+        INTERPRET_ON_CPU = saved
 
 
 def supported(module, x) -> bool:

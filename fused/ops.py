@@ -17,12 +17,9 @@ chip (the splits summed by one small torch reduction, in a fixed order). grad W 
 kernel, which reads x once more, because a token block's program would need a weight-sized partial
 of its own. No autograd add of two full-size gradients, no cast copy of x, no weight-sized partial
 re-read per token block. Saved for backward: x and per token O(n^2) floats (z, rms_inv), nothing
-n x C wide. Bytes per token: docs/kernels.md (python -m fused.tools.count_bytes).
-
-Every kernel launch goes through `_launch`; `launch_hook` lets a tool see (and run, or not) each one.
+n x C wide. Every kernel launch goes through `_launch`.
 """
 
-import contextlib
 import functools
 
 import torch
@@ -33,16 +30,12 @@ STREAMS = 4  # the kernels are written for n = 4 streams
 MIN_SINKHORN_ITERS = 4  # the Sinkhorn backward keeps four checkpoints
 
 # Each kernel's tile (constexprs: tokens per program or per loop step, channels per loop step or per
-# program) and warps: post and post_backward the fastest setting of `python -m
-# benchmarks.kernel_tiles --size M` on an H100 (docs/benchmarks.md); pre and the backward's two
-# kernels chosen on CPU with python -m fused.tools.latency and fused.tools.resources (pre and the
-# grad-x kernel: 16 tokens, so that the resident programs' tiles stay in L2 for their re-read; pre:
-# 4 warps, two CTAs per SM where 8 warps hold one under triton 3.6; the grad-x kernel: 128 channels
-# per step, the fewest serial steps without spills), not yet timed on a GPU. None spills registers
-# on sm_80 or sm_90 (python -m fused.tools.resources). tl.dot needs 16 or more tokens and channels.
-# STAGES: how far ahead the software pipeline issues a loop's loads (cp.async into shared memory) in
-# pre's u loop and the grad-x kernel's loops; triton pipelines on its own only the loops that feed
-# tl.dot. Chosen so that no kernel loses a CTA per SM or spills; not yet timed on a GPU.
+# program) and warps; none spills registers on sm_80 or sm_90 (tests/fused/test_fused_resources.py).
+# pre and the grad-x kernel take 16 tokens, so that the resident programs' tiles stay in L2 for their
+# re-read; pre 4 warps, which keep two CTAs per SM; the grad-x kernel 128 channels per step, the
+# fewest serial steps without spills. tl.dot needs 16 or more tokens and channels. STAGES: how far
+# ahead the software pipeline issues a loop's loads (cp.async into shared memory) in pre's u loop and
+# the grad-x kernel's loops; triton pipelines on its own only the loops that feed tl.dot.
 TILES = {"pre_kernel": dict(BLOCK_T=16, BLOCK_C=64, num_warps=4, STAGES=2),
          "post_kernel": dict(BLOCK_T=4, BLOCK_C=256, num_warps=4),
          "post_backward_kernel": dict(BLOCK_T=8, BLOCK_C=128, num_warps=4),
@@ -74,27 +67,7 @@ WEIGHT_GRAD_SPLITS = 16
 
 
 # ----------------------------------------------------------------------------------------------
-# Launching: every kernel launch goes through _launch.
-
-_hooks = []  # launch_hook's, innermost last
-_operands_for_cuda = False  # set by launch_hook(..., operands_for_cuda=True)
-
-
-@contextlib.contextmanager
-def launch_hook(hook, operands_for_cuda=False):
-    """Inside the block, every kernel launch calls hook(kernel_name, grid, device, args, constexprs,
-    run) instead of launching; run() launches it (through the hooks of enclosing blocks, if any).
-    operands_for_cuda: the ops pick their device-dependent constexprs as for CUDA whatever the
-    tensors' device (to record launches without running them)."""
-    global _operands_for_cuda
-    saved = _operands_for_cuda
-    _hooks.append(hook)
-    _operands_for_cuda = operands_for_cuda or saved
-    try:
-        yield
-    finally:
-        _hooks.remove(hook)
-        _operands_for_cuda = saved
+# Launching
 
 
 @functools.cache
@@ -110,31 +83,21 @@ def kernel(kernel_name):
     return getattr(_kernel_module(), kernel_name)
 
 
-def launch(kernel_name, grid, device, *args, **constexprs):
-    """Launch kernel_name on grid (no hook)."""
-    launch_function(kernel(kernel_name), grid, device, *args, **constexprs)
+def _interpreted():
+    """Whether the kernels run in Triton's interpreter (TRITON_INTERPRET=1 when triton was imported)."""
+    from triton.runtime.interpreter import InterpretedFunction
+    return isinstance(kernel("pre_kernel"), InterpretedFunction)
 
 
-def launch_function(fn, grid, device, *args, **constexprs):
-    """Launch the kernel function fn on grid, on CUDA from the tensors' device."""
+def _launch(kernel_name, grid, device, *args, **constexprs):
+    """Launch kernel_name on grid, on CUDA from the tensors' device (CPU tensors: only in the
+    interpreter, see fused.unsupported_reason)."""
+    fn = kernel(kernel_name)
     if device.type == "cuda":
         with torch.cuda.device(device):  # triton launches on the current device
             fn[grid](*args, **constexprs)
     else:
-        fn[grid](*args, **constexprs)  # CPU tensors: only under TRITON_INTERPRET=1 (see fused.unsupported_reason)
-
-
-def _launch(kernel_name, grid, device, *args, **constexprs):
-    _through_hooks(len(_hooks), kernel_name, grid, device, args, constexprs)
-
-
-def _through_hooks(depth, kernel_name, grid, device, args, constexprs):
-    """The launch as the hook at depth - 1 sees it (the innermost first), or the launch itself at 0."""
-    if depth == 0:
-        launch(kernel_name, grid, device, *args, **constexprs)
-    else:
-        _hooks[depth - 1](kernel_name, tuple(grid), device, args, constexprs,
-                          functools.partial(_through_hooks, depth - 1, kernel_name, grid, device, args, constexprs))
+        fn[grid](*args, **constexprs)
 
 
 def _cdiv(a, b):
@@ -145,14 +108,14 @@ def _power_of_two_at_least(n):
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _dot_operands(bf16_operands, device):
+def _dot_operands(bf16_operands):
     """How the projection GEMMs multiply: "fp32", "bf16" (tensor cores), or "bf16_rounded":
     operands rounded to bf16 and multiplied in fp32, the same exact products, for Triton's
-    interpreter, whose tl.dot multiplies bf16 tiles as their raw 16-bit patterns (triton 3.9)
-    and whose bf16 casts truncate."""
+    interpreter, whose tl.dot multiplies bf16 tiles as their raw 16-bit patterns and whose bf16
+    casts truncate."""
     if not bf16_operands:
         return "fp32"
-    return "bf16" if device.type == "cuda" or _operands_for_cuda else "bf16_rounded"
+    return "bf16_rounded" if _interpreted() else "bf16"
 
 
 def _weight_operand(weight, bf16_operands):
@@ -161,9 +124,9 @@ def _weight_operand(weight, bf16_operands):
     return (weight.to(torch.bfloat16) if bf16_operands else weight).contiguous()
 
 
-def _variant_constexprs(variant, weight, bf16_operands, sinkhorn_iters, device):
+def _variant_constexprs(variant, weight, bf16_operands, sinkhorn_iters):
     res = 0 if variant == "hc" else weight.shape[0] - 2 * STREAMS
-    return dict(VARIANT=variant, RES=res, ITERS=sinkhorn_iters, OPERANDS=_dot_operands(bf16_operands, device),
+    return dict(VARIANT=variant, RES=res, ITERS=sinkhorn_iters, OPERANDS=_dot_operands(bf16_operands),
                 RES_BLOCK=max(16, _power_of_two_at_least(res)))
 
 
@@ -213,19 +176,13 @@ def connection_pre(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
             tile["num_warps"] = max(tile["num_warps"], SPILL_PRONE_PRE_NUM_WARPS)
         _launch("pre_kernel", (_cdiv(tokens, tile["BLOCK_T"]),), x.device, x, _weight_operand(weight, bf16_operands),
                 scale, bias, perms, u, h_pre, h_post, h_res, z, rms_inv, tokens, x.shape[2], RMS_EPS, **tile,
-                **_variant_constexprs(variant, weight, bf16_operands, sinkhorn_iters, x.device))
+                **_variant_constexprs(variant, weight, bf16_operands, sinkhorn_iters))
     return outputs
 
 
 @connection_pre.register_fake
 def _(x, weight, scale, bias, perm_matrices, variant, sinkhorn_iters, bf16_operands):
     return _pre_outputs(x, weight, variant)
-
-
-def partial_bytes_per_split(weight):
-    """Bytes one token split's fp32 grad-W partial moves: written once by the grad-W kernel, read
-    once by the sum."""
-    return 4 * 2 * weight.numel()
 
 
 @torch.library.custom_op("hcfused::connection_pre_backward", mutates_args=())
@@ -258,7 +215,7 @@ def connection_pre_backward(x: torch.Tensor, grad: torch.Tensor, grad_u: torch.T
     if tokens > 0:
         perms = perm_matrices.contiguous() if perm_matrices.numel() else weight
         grad_z = torch.empty_like(z)
-        constexprs = _variant_constexprs(variant, weight, bf16_operands, sinkhorn_iters, x.device)
+        constexprs = _variant_constexprs(variant, weight, bf16_operands, sinkhorn_iters)
         _launch("pre_backward_grad_x_kernel", (blocks,), x.device, x, grad, grad_u, grad_h_post,
                 _weight_operand(weight, bf16_operands), scale, bias, perms, z, rms_inv, grad_z, grad_x, grad_scale,
                 grad_bias, tokens, c, **grad_x_tile, **constexprs)

@@ -2,7 +2,6 @@
 char-level corpus fixture, tiny runs trained on the HellaSwag fixture (analysis/hellaswag.py,
 export_hf.py), and helpers several test files use (`from conftest import ...`)."""
 
-import importlib.util
 import json
 import os
 import random
@@ -33,9 +32,6 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 # also run inductor's Triton kernels).
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
-    if importlib.util.find_spec("triton") is not None:
-        from fused.tools.interpreter import fix_scalar_index
-        fix_scalar_index()  # for every test that runs a kernel in the interpreter
 
 WORDS = ("the king and queen of a far land rode to the old castle where one bold knight kept "
          "watch over the river and the hills").split()
@@ -61,8 +57,7 @@ FUSED_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fused")
 
 # Fixtures that train or count for a while, shared by several tests: with pytest-xdist's
 # --dist loadgroup (scripts/test.sh) the tests that use one run on one worker, which builds it once.
-SHARED_FIXTURES = ("hellaswag_runs", "runs", "run_dirs", "study", "fresh", "compiled_mhclite", "slurm_env",
-                   "triton_compile_cache")
+SHARED_FIXTURES = ("hellaswag_runs", "runs", "run_dirs", "study", "fresh", "slurm_env")
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
@@ -77,13 +72,6 @@ def pytest_collection_modifyitems(config, items):
         if shared:
             definition = item._fixtureinfo.name2fixturedefs[shared][-1]  # the one this test gets
             item.add_marker(pytest.mark.xdist_group(f"{definition.baseid}::{shared}"))
-
-
-@pytest.fixture(scope="session")
-def triton_compile_cache(tmp_path_factory):
-    """Triton's cache for the tests that compile the fused kernels for a GPU without one: empty when
-    the session starts, so each kernel is compiled for real once, and then shared by those tests."""
-    return tmp_path_factory.mktemp("triton-compile-cache")
 
 
 @pytest.fixture(scope="module")

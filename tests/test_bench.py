@@ -10,7 +10,9 @@ import sys
 import pytest
 import torch
 
+import fused
 from benchmarks import common
+from benchmarks import micro as micro_bench
 from benchmarks import step as bench
 from conftest import assert_one_error_line, one_error_line
 from config import model_shape
@@ -49,8 +51,8 @@ def test_recompute_rows_recompute_and_keep_the_gradients():
     models = common.build_models(variants(residuals=("hc", "mhc", "mhclite")), SEED, DEVICE)
     for residual in ("hc", "mhc", "mhclite"):
         plain, recomputed = models[residual], models[residual + "+recompute"]
-        assert all(m.recompute for m in recomputed.connections())
-        assert not any(m.recompute for m in plain.connections())
+        saved = [bench.saved_activation_bytes(m, x, y, contextlib.nullcontext()) for m in (plain, recomputed)]
+        assert saved[1] < saved[0], residual
         for model in (plain, recomputed):
             # a step moves the zero-initialised connection weights so their gradients matter too
             optimizer = common.make_optimizer(model, DEVICE)
@@ -160,6 +162,7 @@ def test_checkpointing_rows_keep_less_and_compare_to_the_same_variant_without(tm
     (["--steps", "0"], "error: --steps must be >= 1"),
     (["--n_sweep", "6", "--k_sweep", "800"], "error: no mhclite permutation budget K <= 6! = 720"),
     (["--warmup", "-1"], "error: --warmup must be >= 0"),
+    (["--path_rows", "mhclite,foo"], "error: unknown residual 'foo' in --path_rows"),
     (["--no-micro"], "error: --no-micro moved out of bench.py: use python -m benchmarks.micro"),
     (["--micro"], "error: --micro moved out of bench.py: use python -m benchmarks.micro"),
 ])
@@ -235,12 +238,17 @@ def test_memory_probe_and_timing_share_one_compile_per_variant(monkeypatch, tmp_
     (["--fused_connections", "both", "--stream_dtype", "both"], {
         "res": ("float32", False), "mhclite": ("float32", False), "mhclite+bf16": ("bfloat16", False),
         "mhclite+fused": ("float32", True), "mhclite+fused+bf16": ("bfloat16", True)}),
+    # the GPU check's rows: every variant, mhclite on each of its paths
+    (["--residuals", "res,hc,mhclite", "--path_rows", "mhclite", "--fused_connections", "both", "--stream_dtype",
+      "both"], {"res": ("float32", False), "hc": ("float32", False), "mhclite": ("float32", False),
+                "mhclite+bf16": ("bfloat16", False), "mhclite+fused": ("float32", True),
+                "mhclite+fused+bf16": ("bfloat16", True)}),
 ])
 def test_both_puts_each_connection_path_in_a_row_of_its_own(flags, rows):
     """--fused_connections both and --stream_dtype both: a row per path, in one process; res stays nanoGPT's."""
     args = bench.resolve(bench.parse_args(SMALL_FLAGS + ["--residuals", "res,mhclite", "--recompute", "off", *flags]))
-    configs = bench.path_variants(args, shape=args.shape, block_size=args.block_size, vocab_size=args.vocab_size)
-    assert {name: (c.stream_dtype, c.fused_connections) for name, c in configs.items()} == rows
+    variants = bench.path_variants(args, shape=args.shape, block_size=args.block_size, vocab_size=args.vocab_size)
+    assert {name: (v.config.stream_dtype, v.fused_connections) for name, v in variants.items()} == rows
 
 
 def test_bench_runs_bfloat16_streams_for_the_hc_family_only(tmp_path):
@@ -249,3 +257,47 @@ def test_bench_runs_bfloat16_streams_for_the_hc_family_only(tmp_path):
     rows = json.loads(out.read_text())["variants"]
     assert rows["res"]["stream_dtype"] == "float32" and rows["mhclite"]["stream_dtype"] == "bfloat16"
     assert rows["mhclite"]["time_ratio"] > 0
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or not fused.TRITON_AVAILABLE,
+                    reason="needs Triton's interpreter (on a CUDA machine it is off)")
+def test_a_dry_run_of_the_kernels_leaves_the_interpreter_off(tmp_path):
+    """bench.py --fused_connections on --device cpu runs the kernels in Triton's interpreter and
+    switches it off at the end: a later model in the same process takes residuals.py again."""
+    out = tmp_path / "bench.json"
+    bench.main(SMALL_FLAGS + ["--residuals", "mhclite", "--recompute", "off", "--fused_connections", "on",
+                              "--steps", "1", "--warmup", "0", "--json", str(out)])
+    assert json.loads(out.read_text())["variants"]["mhclite"]["connections"]["path"] == "fused"
+    assert not fused.INTERPRET_ON_CPU
+
+
+@pytest.mark.skipif(not fused.TRITON_AVAILABLE, reason="triton is not installed")
+@pytest.mark.parametrize("interpret", [False, True])
+def test_bench_and_micro_bench_record_the_path_that_ran_per_variant(interpret, tmp_path, monkeypatch, capsys,
+                                                                     one_thread):
+    """bench.py and python -m benchmarks.micro with --fused_connections on --device cpu: a dry run in
+    Triton's interpreter under TRITON_INTERPRET=1, residuals.py without it; each row names the path
+    its forward took (a spy on connection_forward)."""
+    if interpret and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton's interpreter is off here (a CUDA machine)")
+    if not interpret:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    calls = []
+    forward = fused.connection_forward
+    monkeypatch.setattr(fused, "connection_forward", lambda *args: calls.append(args[0]) or forward(*args))
+    out = tmp_path / "bench.json"
+    bench.main(["--size", "tiny", "--device", "cpu", "--batch_size", "1", "--block_size", "8", "--vocab_size", "32",
+                "--steps", "1", "--warmup", "0", "--residuals", "res,mhclite", "--recompute", "off",
+                "--fused_connections", "on", "--json", str(out)])
+    result = json.loads(out.read_text())
+    paths = {name: row["connections"]["path"] for name, row in result["variants"].items()}
+    assert paths == {"res": "reference", "mhclite": "fused" if interpret else "reference"}
+    assert (len(calls) > 0) == interpret
+    assert bench.connections_line(result["variants"]) in capsys.readouterr().out
+    calls.clear()
+    micro_bench.main(["--size", "tiny", "--device", "cpu", "--batch_size", "1", "--block_size", "8", "--steps", "1",
+                      "--warmup", "0", "--residuals", "res,mhclite", "--recompute", "off", "--fused_connections", "on",
+                      "--json", str(tmp_path / "micro.json")])
+    connections = json.loads((tmp_path / "micro.json").read_text())["connections"]
+    assert {name: row["connections"]["path"] for name, row in connections.items()} == paths
+    assert (len(calls) > 0) == interpret and not fused.INTERPRET_ON_CPU

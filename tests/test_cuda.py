@@ -16,7 +16,7 @@ from benchmarks import step as bench
 from config import DEFAULT_COMPILE_MODE, model_shape
 from conftest import randomise
 from model import GPT, GPTConfig
-from parallelize import compile_model
+from parallelize import apply_fused_connections, compile_model
 from residuals import RESIDUALS, capture_connections
 
 pytestmark = [pytest.mark.cuda,
@@ -31,6 +31,15 @@ BF16_STREAMS = pytest.param("bfloat16", marks=pytest.mark.bf16_streams)
 
 def tiny(residual, **overrides):
     return GPTConfig(block_size=BLOCK, vocab_size=VOCAB, residual=residual, **{**model_shape("tiny"), **overrides})
+
+
+def built(config, fused_connections=False):
+    """The model on the GPU, its connections through the fused kernels when asked (res has none)."""
+    model = GPT(config).to(DEVICE)
+    if fused_connections:
+        path = apply_fused_connections(model, torch.device(DEVICE))["path"]
+        assert path == ("reference" if config.residual == "res" else "fused")
+    return model
 
 
 def tokens(b=4, seed=0):
@@ -60,7 +69,7 @@ def matmul_precision(allow_tf32, precision):
     (False, "highest", False), (True, "high", False), (True, "medium", False), (True, "high", True)])
 def test_mhclite_exact_whatever_the_matmul_precision(allow_tf32, precision, autocast, fused):
     torch.manual_seed(0)
-    model = off_init(GPT(tiny("mhclite", fused_connections=fused)).to(DEVICE), scale=2.0)
+    model = off_init(built(tiny("mhclite"), fused), scale=2.0)
     with matmul_precision(allow_tf32, precision), capture_connections(model) as records, torch.no_grad():
         with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
             model(tokens())
@@ -78,7 +87,7 @@ def test_compiled_matches_eager(residual, fused, stream_dtype):
     against the fp32 model."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = off_init(GPT(tiny(residual, fused_connections=fused, stream_dtype=stream_dtype)).to(DEVICE))
+    model = off_init(built(tiny(residual, stream_dtype=stream_dtype), fused))
     losses, grads = [], []
     with matmul_precision(False, "highest"):
         for use_compile, autocast in [(False, False), (False, True), (True, True)]:  # blocks compile in place: eager first

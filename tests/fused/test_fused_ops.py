@@ -22,6 +22,7 @@ from fused import ops  # noqa: E402
 from fused.ops import (connection_post, connection_post_backward, connection_pre,  # noqa: E402
                        connection_pre_backward)
 from model import GPT, GPTConfig  # noqa: E402
+from parallelize import apply_fused_connections  # noqa: E402
 from residuals import RESIDUALS, RMS_EPS, Residual, capture_connections, sinkhorn  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -107,6 +108,18 @@ def reference_pre(x, weight, scale, bias, perm_matrices, variant, iters, bf16_op
     return u, h_pre, h_post, h_res, z, rms_inv
 
 
+def reference_pre_backward(x, grad, grad_u, grad_h_post, weight, scale, bias, perms, variant, iters,
+                           bf16_operands):
+    """The float64 gradients (x, weight, scale, bias) of sum(grad_u u) + sum(grad_h_post h_post) +
+    sum(grad (h_res x)): what reaches x and the parameters through connection_pre and
+    connection_post's mixing."""
+    inputs64 = [t.detach().double().requires_grad_() for t in (x, weight, scale, bias)]
+    u, _, h_post, h_res, _, _ = reference_pre(*inputs64, perms, variant, iters, bf16_operands)
+    loss = ((grad_u.double() * u).sum() + (grad_h_post.double() * h_post).sum()
+            + (grad.double() * torch.einsum("mij,mjc->mic", h_res, inputs64[0])).sum())
+    return torch.autograd.grad(loss, inputs64)
+
+
 @pytest.mark.parametrize("bf16_operands", [False, True])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("residual", VARIANTS)
@@ -126,8 +139,7 @@ def test_connection_pre_matches_torch(residual, x_dtype, bf16_operands, small_bl
 @pytest.mark.parametrize("x_dtype, bf16_operands", [(torch.float32, False), (torch.bfloat16, True)])
 @pytest.mark.parametrize("residual", VARIANTS)
 def test_connection_pre_backward_matches_torch(residual, x_dtype, bf16_operands, small_blocks):
-    """Against float64 autograd of sum(grad_u u) + sum(grad_h_post h_post) + sum(g (h_res x)): the
-    gradient that reaches x and the parameters through connection_pre and connection_post's mixing."""
+    """Against float64 autograd (reference_pre_backward)."""
     tokens, width = 37, 40
     variant, weight, scale, bias, perms, iters = packed_parameters(residual, width, seed=3)
     x = randn(tokens, N, width, seed=1, dtype=x_dtype)
@@ -137,11 +149,8 @@ def test_connection_pre_backward_matches_torch(residual, x_dtype, bf16_operands,
     got = connection_pre_backward(x, grad, grad_u, grad_h_post, weight, scale, bias, perms, z, rms_inv, variant,
                                   iters, bf16_operands)
 
-    inputs64 = [t.detach().double().requires_grad_() for t in (x, weight, scale, bias)]
-    u, _, h_post, h_res, _, _ = reference_pre(*inputs64, perms, variant, iters, bf16_operands)
-    loss = ((grad_u.double() * u).sum() + (grad_h_post.double() * h_post).sum()
-            + (grad.double() * torch.einsum("mij,mjc->mic", h_res, inputs64[0])).sum())
-    expected = torch.autograd.grad(loss, inputs64)
+    expected = reference_pre_backward(x, grad, grad_u, grad_h_post, weight, scale, bias, perms, variant, iters,
+                                      bf16_operands)
     assert got[0].dtype == x_dtype and all(g.dtype == torch.float32 for g in got[1:])
     for name, g, want in zip(("x", "weight", "scale", "bias"), got, expected):
         assert g.shape == want.shape
@@ -172,11 +181,9 @@ def test_connection_pre_backward_at_the_shipped_tiles_is_deterministic(residual,
     assert ops._cdiv(tokens, ops.TILES["pre_backward_grad_x_kernel"]["BLOCK_T"]) >= 3
     for first, second in zip(*runs):
         assert torch.equal(first, second)
-    inputs64 = [t.detach().double().requires_grad_() for t in (x, weight, scale, bias)]
-    u, _, h_post, h_res, _, _ = reference_pre(*inputs64, perms, variant, iters, bf16_operands)
-    loss = ((grad_u.double() * u).sum() + (grad_h_post.double() * h_post).sum()
-            + (grad.double() * torch.einsum("mij,mjc->mic", h_res, inputs64[0])).sum())
-    for name, g, want in zip(("x", "weight", "scale", "bias"), runs[0], torch.autograd.grad(loss, inputs64)):
+    expected = reference_pre_backward(x, grad, grad_u, grad_h_post, weight, scale, bias, perms, variant, iters,
+                                      bf16_operands)
+    for name, g, want in zip(("x", "weight", "scale", "bias"), runs[0], expected):
         assert_close_normwise(g, want, 2e-2 if bf16_operands else 1e-5, f"grad {name}")
 
 
@@ -356,10 +363,11 @@ def test_compiled_connection_matches_eager():
 
 
 def test_model_with_fused_connections_matches_the_reference_path():
-    config = dict(block_size=8, vocab_size=32, n_layer=1, n_head=2, n_embd=16, residual="mhc", n_streams=N)
+    config = GPTConfig(block_size=8, vocab_size=32, n_layer=1, n_head=2, n_embd=16, residual="mhc", n_streams=N)
     torch.manual_seed(0)
-    models = [GPT(GPTConfig(**config, fused_connections=fused)).to(DEVICE) for fused in (True, False)]
+    models = [GPT(config).to(DEVICE) for _ in range(2)]
     models[1].load_state_dict(models[0].state_dict())
+    assert apply_fused_connections(models[0], torch.device(DEVICE))["path"] == "fused"
     for model in models:
         for connection in model.connections():
             randomise(connection, SCALE)
@@ -386,6 +394,7 @@ def test_supported_only_where_the_kernels_can_run(monkeypatch):
     assert fused.supported(RESIDUALS["hc"](width, N, 0), x.bfloat16())
     assert fused.supported(RESIDUALS["mhclite"](width, N, 0, num_perms=10), x)
     assert "n_streams = 4" in reason(RESIDUALS["mhclite"](width, 2, 0), x[:, :, :2])
+    assert "n_streams = 4" in reason(RESIDUALS["hc"](width, 2, 0), x[:, :, :2])
     assert "sinkhorn_iters" in reason(RESIDUALS["mhc"](width, N, 0, sinkhorn_iters=3), x)
     assert "HC-family" in reason(Residual(width, 1, 0), x[:, :, :1])
     # configs/authors.py's settings compute another function: those connections take residuals.py
@@ -404,8 +413,11 @@ def test_supported_only_where_the_kernels_can_run(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     assert not fused.supported(module, x)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(fused, "INTERPRET_ON_CPU", False)  # model.py's CPU runs: residuals.py
+    monkeypatch.setattr(fused, "INTERPRET_ON_CPU", False)  # a CPU run outside the tests: residuals.py
     assert "CUDA" in reason(module, x)
+    with fused.interpret_on_cpu():
+        assert fused.supported(module, x)
+    assert not fused.INTERPRET_ON_CPU  # restored: nothing after the block takes the interpreter
     monkeypatch.setattr(fused, "INTERPRET_ON_CPU", True)
     monkeypatch.setattr(fused, "TRITON_AVAILABLE", False)
     assert reason(module, x) == "triton is not installed"

@@ -1,137 +1,138 @@
-"""The fused connection kernels compile for sm_80 and sm_90 without a GPU, with the argument types,
-alignment and constexprs the model launches them with (python -m fused.tools.resources), and the
-specialisation we compile with is the one triton's JIT builds.
+"""The fused kernels compile for sm_80 (A100) and sm_90 (H100, H200) on a machine without a GPU, as
+triton's JIT compiles the launches of a training step, and none spills registers or asks for more
+shared memory than an sm_80 CTA may have.
 
-The compilation runs in a subprocess: triton's compiler cannot run where TRITON_INTERPRET=1 was set
-before triton was imported (tests/conftest.py sets it on CPU)."""
+The compilation runs in a subprocess, this file run as a script: triton's compiler cannot run where
+TRITON_INTERPRET=1 was set before triton was imported (tests/conftest.py sets it on CPU). There a
+stand-in driver names the target GPU, and each launch of one connection's forward + backward
+becomes kernel.warmup, which compiles the kernel with the specialisation triton's JIT builds for
+those arguments (types, alignment, constexprs) and runs nothing."""
 
 import json
 import os
+import re
 import subprocess
 import sys
+import tempfile
+import warnings
 
 import pytest
 import torch
 
 triton = pytest.importorskip("triton")
 
-from fused import ops  # noqa: E402
-from fused.tools import resources  # noqa: E402
-from fused.tools.launches import connection_launches, jit_specialisation, specialise  # noqa: E402
-
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 SM80_SHARED_PER_CTA = 163 * 1024
-DEFAULT_WIDTH = 768  # the model's width at M; the odd width checks that masked tails compile
+KERNELS = ["pre_kernel", "post_kernel", "post_backward_kernel", "pre_backward_grad_x_kernel",
+           "pre_backward_weight_kernel"]  # one connection's forward + backward, in launch order
+STREAM_DTYPES = ("float32", "bfloat16")
+# (compute capabilities, width, variants): every variant at M's width, and at an odd width, for its
+# masked channel tails, mhclite's (the tail is the same code in every variant) for sm_90.
+BUILDS = [((80, 90), 768, ("hc", "mhc", "mhclite")), ((90,), 257, ("mhclite",))]
+RESOURCES = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 
 
-def jit_of(name):
-    """A JITFunction of the kernel's Python function, also when the kernels are interpreted here."""
-    return triton.runtime.jit.JITFunction(ops.kernel(name).fn)
-
-
-def jit_binder_specialisation(kernel, args, kwargs):
-    """What triton's own JIT builds (its private binder), as (signature, constexprs, attrs)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-    backend = make_backend(GPUTarget("cuda", 90, 32))
-    binder = triton.runtime.jit.create_function_from_signature(kernel.signature, kernel.params, backend)
-    bound_args, specialization, options = binder(*args, **kwargs)
-    _, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args, specialization, options)
-    return signature, constexprs, {k: v for k, v in attrs.items() if v}
-
-
-def probe(a_ptr, b_ptr, small, one, wide, scale, flag, BLOCK: triton.language.constexpr):
-    pass
-
-
-@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")  # triton 3.9's notice of a future default
-@pytest.mark.skipif(not hasattr(triton.runtime.jit, "create_function_from_signature")
-                    or not hasattr(triton.runtime.jit.JITFunction, "_pack_args"),
-                    reason="this triton has no create_function_from_signature / _pack_args to compare with")
-def test_specialisation_is_the_jits():
-    launches = [launch for residual in ("hc", "mhc", "mhclite") for width in (16, 20)
-                for stream_dtype, autocast in (("float32", False), ("bfloat16", True))
-                for launch in connection_launches(residual, stream_dtype, autocast, width, 2, 16, "cpu", run=False)]
-    cases = [(jit_of(launch.kernel), launch.args, launch.constexprs) for launch in launches]
-    data = torch.zeros(64)
-    cases.append((triton.runtime.jit.JITFunction(probe), (data, data[1:], 48, 1, 2**31 + 16, 0.5, True),
-                  dict(BLOCK=4, num_warps=8)))
-    for kernel, args, kwargs in cases:
-        signature, constexprs, attrs, options = jit_specialisation(kernel, args, kwargs)
-        assert (signature, constexprs, attrs) == jit_binder_specialisation(kernel, args, kwargs), kernel.fn.__name__
-    assert signature == dict(a_ptr="*fp32", b_ptr="*fp32", small="i32", one="constexpr", wide="i64", scale="fp32",
-                             flag="u1", BLOCK="constexpr")
-    assert constexprs == {(3,): 1, (7,): 4} and set(attrs) == {(0,), (2,), (4,)} and options == dict(num_warps=8)
-    assert specialise(2**63) == ("u64", True) and specialise(2**63 + 1) == ("u64", False)
-    assert specialise(16, align=False) == ("i32", False) and specialise(1, specialize=False) == ("i32", False)
-
-
-def test_resident_ctas_per_sm():
-    assert resources.ctas_per_sm(32, 0, 4, 80) == 16  # threads: 2048 / 128
-    assert resources.ctas_per_sm(255, 0, 4, 80) == 2  # 8192 registers a warp, two warps a quarter
-    assert resources.ctas_per_sm(78, 48 * 1024, 4, 80) == 3  # shared memory: 164 KB / 49 KB
-    assert resources.ctas_per_sm(78, 48 * 1024, 4, 90) == 4  # 228 KB / 49 KB
-    assert resources.ctas_per_sm(32, 164 * 1024, 4, 80) == 0  # more than a CTA may have
-    assert resources.ctas_per_sm(16, 0, 1, 90) == 32  # the CTA limit
+def missing_tool():
+    """Why the kernels cannot be compiled for a GPU here, or None."""
+    for tool in ("ptxas", "cuobjdump"):
+        try:
+            getattr(triton.knobs.nvidia, tool).path
+        except (RuntimeError, OSError) as e:  # not found, or not executable
+            return f"{tool} not found ({e})"
+    return None
 
 
 @pytest.mark.slow
-def test_every_launched_kernel_compiles_for_sm80_and_sm90(tmp_path, triton_compile_cache):
-    """The launches of training's default (bf16 autocast), every variant and stream dtype at the
-    model's width for sm_90 (H100, H200) and sm_80 (A100), whose smaller shared memory and own code
-    generation could fail; at the odd width, for its masked tails, mhclite's for sm_90 (the channel
-    tail is handled alike in every variant, and triton's front end lowers it alike for both). Without
-    autocast the kernels are checked in the interpreter only (python -m fused.tools.resources
-    compiles every combination)."""
-    reason = resources.missing_tool()
+def test_every_launched_kernel_compiles_for_sm80_and_sm90_without_spills(tmp_path):
+    """Training's default, bf16 autocast, at a 2 x 16 batch: a token count that is a multiple of 16
+    like a training batch's, so every int argument is specialised as at full size."""
+    reason = missing_tool()
     if reason:
         pytest.skip(reason)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(triton_compile_cache)
-    odd_width = next(w for w in resources.WIDTHS if w % 16)
+    env.update(TRITON_CACHE_DIR=str(tmp_path / "triton"), PYTHONPATH=REPO)  # an empty cache: compiled for real
+    out = tmp_path / "compiled.json"
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(out)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = json.loads(out.read_text())
+    expected = [(cc, width, residual, stream_dtype, kernel) for ccs, width, residuals in BUILDS for cc in ccs
+                for residual in residuals for stream_dtype in STREAM_DTYPES for kernel in KERNELS]
+    assert [(r["cc"], r["width"], r["residual"], r["stream_dtype"], r["kernel"]) for r in records] == expected
+    for r in records:
+        name = f"{r['kernel']} {r['residual']} {r['stream_dtype']} streams, C={r['width']}, sm_{r['cc']}"
+        assert r["stack_bytes"] == 0 and r["local_bytes"] == 0, f"{name} spills: {r}"
+        assert r["shared_bytes"] <= SM80_SHARED_PER_CTA, f"{name}: {r['shared_bytes']} B of shared memory"
+
+
+# ----------------------------------------------------------------------------------------------
+# The subprocess
+
+
+class TargetDriver:
+    """The part of triton's driver that kernel.warmup asks: the device, its stream, and the target
+    GPU (one device per compute capability, so that each gets its own compiled kernels)."""
+
+    def __init__(self, cc):
+        self.cc = cc
+
+    def get_current_device(self):
+        return self.cc
+
+    def get_current_stream(self, device):
+        return 0
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+        return GPUTarget("cuda", self.cc, 32)
+
+
+def cubin_resources(cubin):
+    """Registers, stack (where spills go), static shared and local bytes, as cuobjdump reads them."""
+    with tempfile.TemporaryDirectory(prefix="kernel-resources-") as folder:
+        path = os.path.join(folder, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        listing = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "-res-usage", path], capture_output=True,
+                                 text=True, check=True).stdout
+    registers, stack, shared, local = (int(v) for v in RESOURCES.search(listing).groups())
+    return dict(registers=registers, stack_bytes=stack, static_shared_bytes=shared, local_bytes=local)
+
+
+def compiled_launches(cc, residual, stream_dtype, width):
+    """[(kernel name, compiled kernel)] of one forward + backward of a connection, compiled for sm_<cc>."""
+    from fused import connection_forward, ops
+    from residuals import RESIDUALS
+    compiled = []
+
+    def compile_instead(kernel_name, grid, device, *args, **constexprs):
+        compiled.append((kernel_name, ops.kernel(kernel_name).warmup(*args, grid=grid, **constexprs)))
+
+    triton.runtime.driver.set_active(TargetDriver(cc))
+    ops._launch = compile_instead  # this process only compiles
+    module = RESIDUALS[residual](width, ops.STREAMS, 1)
+    x = torch.zeros(2, 16, ops.STREAMS, width, dtype=getattr(torch, stream_dtype), requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = connection_forward(module, x, torch.nn.Linear(width, width, bias=False))
+    out.backward(torch.zeros_like(out))  # on outputs never written: nothing runs
+    return compiled
+
+
+def main(out):
+    warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")  # triton 3.9's notice of a future default
     records = []
-    for ccs, width, residuals in (((80, 90), DEFAULT_WIDTH, resources.RESIDUALS), ((90,), odd_width, ("mhclite",))):
-        out = tmp_path / f"resources-{width}.json"
-        proc = subprocess.run([sys.executable, "-m", "fused.tools.resources", "--json", str(out), "--jobs", "2",
-                               "--ccs", ",".join(map(str, ccs)), "--widths", str(width), "--autocast", "bfloat16",
-                               "--residuals", ",".join(residuals)],
-                              cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        compiled = json.loads(out.read_text())["records"]
-        expected = [(residual, width, stream_dtype, "bfloat16", launch.kernel)
-                    for residual in residuals for stream_dtype in resources.STREAM_DTYPES
-                    for launch in connection_launches(residual, stream_dtype, True, width, 2, 16, "cpu", run=False)]
-        got = [(r["residual"], r["width"], r["stream_dtype"], r["autocast"], r["kernel"]) for r in compiled]
-        assert got == expected
-        records += [(cc, r) for r in compiled for cc in ccs]
-    assert DEFAULT_WIDTH in resources.WIDTHS
-    for cc, r in records:
-        name = f"{r['kernel']} {r['residual']} {r['stream_dtype']} streams, C={r['width']}"
-        res = r[f"sm_{cc}"]
-        assert "error" not in res, f"{name}, sm_{cc}: {res.get('error')}"
-        assert res["shared_bytes"] <= SM80_SHARED_PER_CTA, f"{name}, sm_{cc}: {res['shared_bytes']} B shared"
-        assert res["ctas_per_sm"] >= 1 and res["registers"] <= 255
-        assert res["stack_bytes"] == 0 and res["local_bytes"] == 0, f"{name}, sm_{cc} spills: {res}"
-        # Every loop's loads software-pipelined where rows are aligned (cp.async needs it), but
-        # post_backward's: a streaming loop with many programs, at 0.93 x copy on the H200 without.
-        if r["width"] == DEFAULT_WIDTH and r["kernel"] != "post_backward_kernel":
-            assert res["plain_loop_loads"] == 0, f"{name}, sm_{cc}: loads a loop step waits for: {res}"
-        assert res["async_loop_loads"] + res["plain_loop_loads"] > 0 or r["kernel"] == "post_kernel", name
+    for ccs, width, residuals in BUILDS:
+        for cc in ccs:
+            for residual in residuals:
+                for stream_dtype in STREAM_DTYPES:
+                    for kernel, compiled in compiled_launches(cc, residual, stream_dtype, width):
+                        resources = cubin_resources(compiled.asm["cubin"])
+                        records.append(dict(cc=cc, width=width, residual=residual, stream_dtype=stream_dtype,
+                                            kernel=kernel, **resources,
+                                            shared_bytes=compiled.metadata.shared + resources["static_shared_bytes"]))
+    with open(out, "w", encoding="utf-8") as f:
+        json.dump(records, f, indent=1)
 
 
-def test_loop_loads_counts_the_loads_inside_loops_of_a_ttgir():
-    ttgir = """
-    %w = tt.load %p : tensor<16x!tt.ptr<f32>, #blocked>
-    %r:2 = scf.for %i = %c0 to %n step %c1 iter_args(%a = %z) -> (tensor<16xf32, #ttg.slice<{dim = 1}>>) : i32 {
-      %x = ttg.async_copy_global_to_local %q, %buf mask %m {contiguity = 2 : i32} : tensor<16x!tt.ptr<f32>>
-      %s = "tt.reduce"(%x) <{axis = 0 : i32}> ({
-      ^bb0(%l: f32, %k: f32):
-        tt.reduce.return %l : f32
-      }) : (tensor<16xf32>) -> f32
-      %y = tt.load %q2 : tensor<16x!tt.ptr<f32>, #blocked>
-      scf.yield %s : f32
-    } {tt.num_stages = 2 : i32}
-    %v = tt.load %p3 : tensor<16x!tt.ptr<f32>, #blocked>
-"""
-    assert resources.loop_loads(ttgir) == dict(async_loop_loads=1, plain_loop_loads=1)
+if __name__ == "__main__":
+    main(sys.argv[1])
