@@ -18,8 +18,7 @@ import os
 import typing
 from dataclasses import dataclass, fields
 
-from model import DEFAULT_SIZE, SIZES, STREAM_DTYPES, ModelSettings, at_least, check_settings, in_unit_interval, \
-    model_shape, setting  # noqa: F401 (STREAM_DTYPES and model_shape: the tools import them from here)
+from model import DEFAULT_SIZE, SIZES, ModelSettings, at_least, check_settings, in_unit_interval, setting
 
 REPO_DIR = os.path.dirname(os.path.abspath(__file__))
 

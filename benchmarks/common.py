@@ -16,8 +16,7 @@ import torch
 from tqdm import tqdm
 
 from devices import synchronize
-from config import STREAM_DTYPES, model_shape
-from model import GPT, GPT2_PADDED_VOCAB, GPTConfig
+from model import GPT, GPT2_PADDED_VOCAB, STREAM_DTYPES, GPTConfig, model_shape
 from parallelize import apply_connection_recompute, apply_fused_connections
 from residuals import RESIDUALS
 

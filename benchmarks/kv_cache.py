@@ -10,8 +10,7 @@ import time
 import torch
 
 import sample
-from config import model_shape
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, model_shape
 
 
 def tokens_per_s(model, prompt, new_tokens, kv_cache):

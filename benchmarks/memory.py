@@ -21,8 +21,7 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.step import saved_activation_bytes
-from config import SIZES, model_shape
-from model import GPT, GPT2_PADDED_VOCAB, GPTConfig
+from model import GPT, GPT2_PADDED_VOCAB, SIZES, GPTConfig, model_shape
 from parallelize import apply_ac
 from residuals import RESIDUALS
 

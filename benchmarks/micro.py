@@ -16,8 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from devices import autocast_context, synchronize
-from config import STREAM_DTYPES
-from model import GPTConfig
+from model import STREAM_DTYPES, GPTConfig
 from parallelize import connection_path
 from residuals import permutation_matrices, permutations, sinkhorn
 

@@ -25,8 +25,8 @@ import torch
 from tqdm import tqdm
 
 from devices import autocast_context, peak_flops, synchronize
-from model import GPTConfig
-from config import COMPILE_MODES, DEFAULT_COMPILE_MODE, STREAM_DTYPES
+from model import STREAM_DTYPES, GPTConfig
+from config import COMPILE_MODES, DEFAULT_COMPILE_MODE
 from parallelize import apply_ac, compile_model, connection_path
 from residuals import RESIDUALS
 

@@ -15,8 +15,7 @@ from benchmarks import common
 from benchmarks import micro as micro_bench
 from benchmarks import step as bench
 from conftest import assert_one_error_line, one_error_line
-from config import model_shape
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, model_shape
 from parallelize import compile_model
 
 BLOCK, VOCAB, SEED = 16, 96, 3

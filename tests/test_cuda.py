@@ -13,9 +13,9 @@ import torch
 
 import fused
 from benchmarks import step as bench
-from config import DEFAULT_COMPILE_MODE, model_shape
+from config import DEFAULT_COMPILE_MODE
 from conftest import randomise
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, model_shape
 from parallelize import apply_fused_connections, compile_model
 from residuals import RESIDUALS, capture_connections
 
