@@ -71,6 +71,8 @@ class TrainConfig(Execution, ModelSettings):
     # data; tokens per step = batch_size * block_size * gradient_accumulation_steps, over all GPUs
     dataset: str = setting("openwebtext", "folder under data_dir holding train.bin, val.bin and meta.json", DATA)
     data_dir: str = setting(os.path.join(REPO_DIR, "data"), "where the datasets are", DATA)
+    allow_data_change: bool = setting(False, "resume on data files other than those the checkpoint's run read (by "
+                                      "size or sampled fingerprint); False: refused", DATA)
     batch_size: int = setting(16, "sequences per GPU per micro-step", DATA, **at_least(1))
     gradient_accumulation_steps: int = setting(8, "micro-steps per optimizer step in total; divided by world size",
                                                DATA, **at_least(1))

@@ -48,9 +48,10 @@ def peak_flops(cfg, device, dtype):
 
 @dataclass(frozen=True)
 class World:
-    """This process's place in the run: under torchrun (ddp) or not, its rank, the number of
-    processes, its device, and whether the model is sharded (FSDP2) instead of replicated (DDP)."""
-    ddp: bool
+    """This process's place in the run: under torchrun with a process group (distributed) or a
+    plain process, its rank, the number of processes, its device, and whether the model is sharded
+    (FSDP2) instead of replicated (DDP)."""
+    distributed: bool
     rank: int
     size: int
     device: torch.device
@@ -63,12 +64,12 @@ class World:
 
 def setup_distributed(cfg):
     """The World from torchrun's environment variables (one process without them)."""
-    ddp = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    if cfg.parallel == "fsdp" and not ddp:
+    distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if cfg.parallel == "fsdp" and not distributed:
         raise DeviceError("--parallel=fsdp runs under torchrun, e.g. torchrun --standalone --nproc_per_node=1 "
                           "train.py ...")
-    rank = int(os.environ["RANK"]) if ddp else 0
-    world_size = int(os.environ["WORLD_SIZE"]) if ddp else 1
+    rank = int(os.environ["RANK"]) if distributed else 0
+    world_size = int(os.environ["WORLD_SIZE"]) if distributed else 1
     if cfg.gradient_accumulation_steps % world_size:
         raise DeviceError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} is not divisible "
                           f"by the world size {world_size}")
@@ -83,11 +84,11 @@ def setup_distributed(cfg):
         raise DeviceError(f"device '{cfg.device}' asks for CUDA, which is not available here; use --device=cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if ddp:
+    if distributed:
         store = attempt_store(rank, world_size) if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else None
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
                                 world_size=world_size)
-    return World(ddp, rank, world_size, device, sharded=cfg.parallel == "fsdp")
+    return World(distributed, rank, world_size, device, sharded=cfg.parallel == "fsdp")
 
 
 def attempt_store(rank, world_size):

@@ -3,10 +3,10 @@
     python sample.py --out_dir=out/demo/mhclite --start="ROMEO:" --num_samples=3 --max_new_tokens=300
     python sample.py --out_dir=out/openwebtext-M-mhc-s1337 --start=FILE:prompt.txt --device=cuda
 
-Loads <out_dir>/ckpt.pt (or a sharded run's ckpt.dcp) with checkpoint.load_model and reads the
-run's own tokenizer from the meta.json of its dataset, <data_dir>/<dataset>/ from the checkpoint's
-config (--data_dir points elsewhere): characters (meta.json's itos) or GPT-2 BPE (offline, through
-dataprep). Sampling is autoregressive: the context is cropped to the model's block_size, the model gives the logits of
+Loads <out_dir>/ckpt.pt (or a sharded run's ckpt.dcp) with load_model, verified against its digests,
+and reads the run's own tokenizer from the meta.json of its dataset, <data_dir>/<dataset>/ from the
+checkpoint's config (--data_dir points elsewhere): characters (meta.json's itos) or GPT-2 BPE
+(offline, through dataprep). Sampling is autoregressive: the context is cropped to the model's block_size, the model gives the logits of
 the last position (with a KV cache it computes the new token only; --no_kv_cache recomputes the
 whole context), they are divided by --temperature and cut to the --top_k largest (a value at
 least the vocabulary size keeps all; 1 is greedy decoding), and the next token is drawn with a
@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 import dataprep
-from checkpoint import CheckpointError, find_checkpoint, load_model
+from checkpoint import CheckpointError, find_checkpoint, load_weights, model_args, read_checkpoint
+from model import GPT, GPTConfig
 
 SEPARATOR = "-" * 15
 FILE_PREFIX = "FILE:"
@@ -180,10 +181,29 @@ def sample(model, meta, start=None, num_samples=1, max_new_tokens=500, temperatu
     return texts
 
 
+def load_model(path, device="cpu"):
+    """(GPT in eval mode with the checkpoint's weights, the checkpoint's items): the one call that
+    tools (sampling, export, analysis) load a trained model with. path: a run folder (its newest
+    checkpoint), a ckpt.pt or ckpt.<step>.pt file, or a sharded checkpoint folder (ckpt.dcp), read
+    in this one process (its items then hold no weights). Every file is verified against its
+    digests before the weights are used."""
+    path = find_checkpoint(path)
+    ckpt = read_checkpoint(path)
+    try:
+        model = GPT(GPTConfig(**model_args(ckpt)))
+        load_weights(path, ckpt, model)
+    except (TypeError, ValueError, RuntimeError) as e:
+        reason = str(e).strip().splitlines()[0]
+        raise CheckpointError(f"{path}: cannot build the model from it ({reason})") from None
+    model.to(device)
+    model.eval()
+    return model, ckpt
+
+
 def load(out_dir, device="cpu", data_dir=None):
-    """(model in eval mode, the run's meta.json) for the checkpoint <out_dir>/ckpt.pt, or the
-    sharded <out_dir>/ckpt.dcp of a --parallel=fsdp run."""
-    model, ckpt = load_model(find_checkpoint(out_dir), device)
+    """(model in eval mode, the run's meta.json) for the run folder's newest checkpoint: ckpt.pt, or
+    the sharded ckpt.dcp of a --parallel=fsdp run."""
+    model, ckpt = load_model(out_dir, device)
     return model, read_meta(ckpt, data_dir)
 
 

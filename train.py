@@ -4,12 +4,13 @@ One GPU or CPU:  python train.py configs/owt.py configs/S.py configs/mhclite.py
 8 GPUs (DDP):    torchrun --standalone --nproc_per_node=8 train.py configs/owt.py configs/M.py configs/mhc.py
 8 GPUs, sharded: the same with --parallel=fsdp --compile_mode=blocks (FSDP2; checkpoint ckpt.dcp)
 Resume:          the same command plus --init_from=resume (continues the exact trajectory)
-Start or resume: --init_from=auto resumes out_dir's checkpoint if there is one, else starts from scratch,
-                 and exits at once if the run already finished: one command for the first start and every
-                 restart (torchrun --max-restarts, a requeued batch job)
+Start or resume: --init_from=auto resumes out_dir's newest checkpoint that loads and verifies, starts from
+                 scratch in a folder without a run, and exits at once if the run already finished: one
+                 command for the first start and every restart (torchrun --max-restarts, a requeued job)
 
-Config files apply left to right, then --key=value overrides (config.py). Rank 0 writes
-<out_dir>/metrics.jsonl, ckpt.pt and, when finished, the marker file `done`. Exit codes: 0 done (or
+Config files apply left to right, then --key=value overrides (config.py); the batches come from
+dataloader.py, the checkpoints go through checkpoint/. Rank 0 writes <out_dir>/metrics.jsonl, ckpt.pt
+(with its digest record) and, when finished, the marker file `done`. Exit codes: 0 done (or
 nothing to do), 1 non-finite loss, 2 bad input, 3 a checkpoint save failed (a full disk, permissions;
 the last good checkpoint is kept), 128 + signal number after SIGTERM or SIGINT (checkpoint saved).
 The file `stop` in out_dir stops the run at the next step with a checkpoint and exit code 0.
@@ -31,99 +32,22 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from checkpoint import CheckpointError, CheckpointManager, RunOwner, SaveError, TrainState
+from checkpoint import (CheckpointError, CheckpointManager, ModelState, OptimizerState, RNGState, RunOwner, SaveError,
+                        TrainState)
 from config import ConfigError, help_text, load_config, model_settings
+from dataloader import (TRAIN_STREAM, DataError, check_data, eval_batches, get_batch, identify, make_generator,
+                        step_offsets)
 from devices import DeviceError, autocast_context, peak_flops, setup_distributed, synchronize, tf32_matmuls
-from model import GPT, GPT2_PADDED_VOCAB, GPTConfig
+from model import GPT, GPTConfig
 from parallelize import connection_path, connection_path_line, materialise, parallelize
 
-PREPARE_COMMANDS = {
-    "openwebtext": "python prepare_openwebtext.py",
-    "fineweb_edu": "python prepare_fineweb_edu.py",
-    "shakespeare": "python prepare_shakespeare.py",
-    "shakespeare_char": "python prepare_shakespeare.py --tokenizer char",
-}
-# Generator streams derived from the seed: training batches and the two fixed eval sets.
-TRAIN_STREAM, EVAL_STREAMS = 0, {"train": 1, "val": 2}
 WANDB_ID_FILE = "wandb_run_id"  # in out_dir: the W&B run that restarts continue
 STOP_REQUEST_FILE = "stop"  # in out_dir: stop at the next step boundary, save, exit 0
 STOP_REQUESTED = -1  # StopFlag.agreed() for the request file; signals are positive
 
 
-class DataError(Exception):
-    """Missing or unusable data files."""
-
-
 class NonFiniteError(Exception):
     """The loss or gradient norm became NaN or infinite."""
-
-
-# ----------------------------------------------------------------------------------------------
-# Data
-
-
-def check_data(cfg):
-    """Paths of the two splits and the model vocabulary size, or a DataError naming the fix."""
-    folder = os.path.join(cfg.data_dir, cfg.dataset)
-    paths = {split: os.path.join(folder, f"{split}.bin") for split in ("train", "val")}
-    meta_path = os.path.join(folder, "meta.json")
-    missing = [p for p in (paths["train"], paths["val"], meta_path) if not os.path.isfile(p)]
-    if missing:
-        command = PREPARE_COMMANDS.get(cfg.dataset, "a prepare script that writes nanoGPT-format data")
-        raise DataError(f"missing data file {missing[0]}; run `{command}` (or set --data_dir)")
-    try:
-        with open(meta_path, encoding="utf-8") as f:
-            meta = json.load(f)
-        vocab_size = GPT2_PADDED_VOCAB if meta["tokenizer"] == "gpt2" else int(meta["vocab_size"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise DataError(f"{meta_path} is not a valid meta.json ({type(e).__name__}: {e})") from None
-    for path in paths.values():
-        n_tokens = os.path.getsize(path) // 2
-        if n_tokens < cfg.block_size + 1:
-            raise DataError(f"{path} holds {n_tokens} tokens, fewer than block_size + 1 = {cfg.block_size + 1}; "
-                            f"lower --block_size or use a larger corpus")
-    return paths, vocab_size
-
-
-def make_generator(seed, stream):
-    """A CPU generator for one data stream of this seed (independent of rank and world size)."""
-    derived = int(np.random.SeedSequence([seed, stream]).generate_state(1)[0])
-    return torch.Generator().manual_seed(derived)
-
-
-def draw_offsets(generator, path, block_size, n_sequences):
-    """Start positions of n_sequences random windows of block_size + 1 tokens."""
-    n_tokens = os.path.getsize(path) // 2
-    return torch.randint(n_tokens - block_size, (n_sequences,), generator=generator)
-
-
-def step_offsets(generator, path, cfg, rank, world_size):
-    """This rank's share of one optimizer step's global batch, as (micro-steps, batch_size)
-    window starts. Every rank draws the whole global batch, so the generator advances the same
-    way everywhere: the global batch, and the generator state a checkpoint saves as the data
-    position, do not depend on the world size."""
-    accum = cfg.gradient_accumulation_steps // world_size
-    offsets = draw_offsets(generator, path, cfg.block_size, cfg.gradient_accumulation_steps * cfg.batch_size)
-    return offsets.view(cfg.gradient_accumulation_steps, cfg.batch_size)[rank * accum:(rank + 1) * accum]
-
-
-def eval_batches(cfg, paths):
-    """{split: (path, window starts of eval_iters batches)}, drawn once from the split's own
-    seeded generator, so successive evals and resumed runs measure the same data."""
-    return {split: (paths[split], draw_offsets(make_generator(cfg.seed, stream), paths[split], cfg.block_size,
-                                               cfg.eval_iters * cfg.batch_size).view(cfg.eval_iters, cfg.batch_size))
-            for split, stream in EVAL_STREAMS.items()}
-
-
-def get_batch(path, offsets, block_size, device):
-    """Inputs and next-token targets (B, block_size) for the windows starting at offsets."""
-    data = np.memmap(path, dtype=np.uint16, mode="r")  # re-opened per batch: avoids a memmap leak
-    starts = offsets.tolist()
-    x = torch.stack([torch.from_numpy(data[i:i + block_size].astype(np.int64)) for i in starts])
-    y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + block_size].astype(np.int64)) for i in starts])
-    if device.type == "cuda":
-        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
-    return x, y
 
 
 # ----------------------------------------------------------------------------------------------
@@ -140,11 +64,12 @@ def get_lr(it, cfg):
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.learning_rate - cfg.min_lr)
 
 
-def train_step(train_model, state, path, offsets, lr, ctx, cfg, world):
+def train_step(train_model, model, optimizer, path, offsets, lr, ctx, cfg, world):
     """One optimizer step on this rank's micro-batches (window starts `offsets`): forward and
-    backward with gradient accumulation, clipping, the update. Returns the step's mean loss over
-    all ranks and the gradient norm before clipping, both left on the device."""
-    for group in state.optimizer.param_groups:
+    backward with gradient accumulation through train_model (parallelized), clipping over the
+    plain model's parameters, the update. Returns the step's mean loss over all ranks and the
+    gradient norm before clipping, both left on the device."""
+    for group in optimizer.param_groups:
         group["lr"] = lr
     accum = len(offsets)
     loss_sum = torch.zeros((), device=world.device)
@@ -158,13 +83,12 @@ def train_step(train_model, state, path, offsets, lr, ctx, cfg, world):
                 x, y = get_batch(path, offsets[micro + 1], cfg.block_size, world.device)
             (loss / accum).backward()
         loss_sum += loss.detach().float()
-    grad_norm = torch.nn.utils.clip_grad_norm_(state.model.parameters(),
-                                               cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
     if world.sharded:  # the norm over every rank's shard, as a DTensor
         grad_norm = grad_norm.full_tensor()
-    state.optimizer.step()
-    state.optimizer.zero_grad(set_to_none=True)
-    if world.ddp:
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if world.distributed:
         dist.all_reduce(loss_sum)
     return loss_sum / cfg.gradient_accumulation_steps, grad_norm
 
@@ -175,7 +99,7 @@ def gradient_sync(train_model, world, last_micro):
     if world.sharded:
         train_model.set_requires_gradient_sync(last_micro)
         return contextlib.nullcontext()
-    return train_model.no_sync() if world.ddp and not last_micro else contextlib.nullcontext()
+    return train_model.no_sync() if world.distributed and not last_micro else contextlib.nullcontext()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -198,7 +122,7 @@ def evaluate(model, eval_sets, ctx, cfg, world):
                 _, loss = model(x, y)
             if i < cfg.eval_iters:
                 total += torch.stack([loss.double(), torch.ones((), dtype=torch.float64, device=world.device)])
-        if world.ddp:
+        if world.distributed:
             dist.all_reduce(total)
         losses[split] = (total[0] / total[1]).item()
     model.train()
@@ -308,12 +232,12 @@ class StopFlag:
     so that torchrun does not restart the workers, and is removed once served. All ranks agree
     through a CPU (gloo) all-reduce, which never waits for the GPU."""
 
-    def __init__(self, ddp, device, master, out_dir):
+    def __init__(self, distributed, device, master, out_dir):
         self.signum = 0
         self.master = master
         self.request_path = os.path.join(out_dir, STOP_REQUEST_FILE) if master else None
         self.group = None
-        if ddp:
+        if distributed:
             self.group = dist.new_group(backend="gloo") if device.type == "cuda" else dist.group.WORLD
         self.previous = {}
         if threading.current_thread() is threading.main_thread():  # signal handlers need it
@@ -406,7 +330,7 @@ def build_model(cfg, vocab_size, resuming, world, dtype):
     if not world.sharded:
         model.to(world.device)
     eval_model, train_model = parallelize(model, world.device, cfg.activation_checkpointing, compile_mode(cfg, world),
-                                          shard=world.sharded, replicate=world.ddp and not world.sharded,
+                                          shard=world.sharded, replicate=world.distributed and not world.sharded,
                                           compute_dtype=torch.bfloat16 if dtype == "bfloat16" else torch.float32,
                                           recompute_connections=cfg.recompute_connections,
                                           fused_connections=cfg.fused_connections)
@@ -469,7 +393,7 @@ def run(cfg):
         with tf32_matmuls(), RunOwner(cfg.out_dir, world, log):  # one writer per run folder
             return train(cfg, world)
     finally:
-        if world.ddp:
+        if world.distributed:
             dist.destroy_process_group()
 
 
@@ -480,15 +404,17 @@ def train(cfg, world):
     paths, vocab_size = check_data(cfg)
     wandb = import_wandb() if cfg.wandb_log and world.master else None  # fail before any work
     dtype, ctx = autocast_context(cfg, world.device)
-    checkpoints = CheckpointManager(cfg, world, log)
+    checkpoints = CheckpointManager(cfg, world, log, identify(os.path.dirname(paths["train"])))
     ckpt = checkpoints.load()  # None: a fresh start
     if checkpoints.finished:
         return 0
     raw_model, model, train_model = build_model(cfg, vocab_size, ckpt is not None, world, dtype)
     optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
                                                world.device.type)
-    state = TrainState(raw_model, optimizer, make_generator(cfg.seed, TRAIN_STREAM))
-    resume_step = checkpoints.restore(state, ckpt)  # None: a fresh start
+    state = TrainState(make_generator(cfg.seed, TRAIN_STREAM))  # the step, best val loss and data position
+    states = dict(model=ModelState(raw_model), optimizer=OptimizerState(raw_model, optimizer), train=state,
+                  rng=RNGState(world))
+    resume_step = checkpoints.restore(states, ckpt)  # None: a fresh start
     del ckpt
     eval_sets = eval_batches(cfg, paths)
     peak = peak_flops(cfg, world.device, dtype)
@@ -497,18 +423,19 @@ def train(cfg, world):
         start_out_dir(cfg, raw_model, state.step, tokens_per_step, dtype, world, checkpoints)
     metrics = MetricsWriter(os.path.join(cfg.out_dir, "metrics.jsonl"), world.master, resume_step,
                             start_wandb(wandb, cfg, resume_step is not None) if wandb is not None else None)
-    stop = StopFlag(world.ddp, world.device, world.master, cfg.out_dir)
+    stop = StopFlag(world.distributed, world.device, world.master, cfg.out_dir)
     first_step = state.step + 1  # it compiles under torch.compile: timed apart from the others
     try:
         if resume_step is None:
-            checkpoints.save(state, evaluate_and_log(model, eval_sets, 0, ctx, cfg, world, metrics))
+            checkpoints.save(evaluate_and_log(model, eval_sets, 0, ctx, cfg, world, metrics))
         pending = []  # (step, lr, loss, grad norm) on the device until the next log point
         synchronize(world.device)
         window_start = time.perf_counter()
         while state.step < cfg.max_iters:
             lr = get_lr(state.step, cfg)
             offsets = step_offsets(state.train_generator, paths["train"], cfg, world.rank, world.size)
-            loss, grad_norm = train_step(train_model, state, paths["train"], offsets, lr, ctx, cfg, world)
+            loss, grad_norm = train_step(train_model, raw_model, optimizer, paths["train"], offsets, lr, ctx, cfg,
+                                         world)
             state.step += 1
             pending.append((state.step, lr, loss, grad_norm))
             if state.step == first_step:
@@ -523,11 +450,11 @@ def train(cfg, world):
                     log_step(last, cfg.max_iters)
                 pending = []
                 val_loss = evaluate_and_log(model, eval_sets, state.step, ctx, cfg, world, metrics) if is_eval else None
-                checkpoints.save(state, val_loss, stopping=bool(signum))
+                checkpoints.save(val_loss, stopping=bool(signum))
                 if signum:
                     return stop.finish(signum, state.step, checkpoints.path, log)
                 window_start = time.perf_counter()
-        checkpoints.finish(state)
+        checkpoints.finish()
         return 0
     except NonFiniteError as e:
         raise NonFiniteError(f"{e}; stopping, {checkpoints.kept()}") from None

@@ -27,7 +27,8 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 import dataprep
 import sample
-from checkpoint import CheckpointError, find_checkpoint, load_model
+from checkpoint import CheckpointError, find_checkpoint
+from sample import load_model
 
 DEFAULT_SOURCE = "Rowan/hellaswag"
 SPLIT = "validation"

@@ -4,7 +4,10 @@
     python -m benchmarks.checkpoint_cost --sizes M L --residual mhclite --out_dir out/ckpt_cost
 
 One process: the bytes of ckpt.pt, the seconds a save takes (rank 0 writes the model, AdamW's two
-moments, the RNG states; temp file, fsync, rename) and the seconds a resume takes to load it.
+moments, the RNG states, hashing them as they go; temp file, fsync, digest record, rename) and the
+seconds a resume takes to verify and load it, and what the digests cost per GB: SHA-256 of the bytes
+in memory (what a save adds) and the file read and hashed again (what a load adds, from the page
+cache right after the save).
 
     python -m benchmarks.checkpoint_cost --sharded --sizes S --out_dir out/ckpt_cost
 
@@ -17,6 +20,7 @@ worker costs up to k steps (docs/training.md).
 """
 
 import argparse
+import hashlib
 import os
 import shutil
 import socket
@@ -27,10 +31,10 @@ import types
 import torch
 import torch.distributed as dist
 
-from checkpoint import CheckpointManager, TrainState, load_checkpoint
+from checkpoint import CheckpointManager, ModelState, OptimizerState, RNGState, TrainState, load_checkpoint
+from checkpoint.files import file_digest
 from config import load_config
-from config import model_shape
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, model_shape
 
 
 def parse_args(argv):
@@ -44,8 +48,9 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
-def run_state(size, residual, out_dir, sharded):
-    """The config, the model with AdamW's full state (one step on zero gradients) and its TrainState."""
+def run_state(size, residual, out_dir, sharded, world):
+    """The config and the states a checkpoint holds: the model with AdamW's full state (one step on
+    zero gradients), its TrainState and the RNG states."""
     cfg = load_config([f"--size={size}", f"--residual={residual}", "--device=cpu", f"--out_dir={out_dir}",
                        f"--parallel={'fsdp' if sharded else 'ddp'}"])
     torch.manual_seed(0)
@@ -58,7 +63,8 @@ def run_state(size, residual, out_dir, sharded):
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     optimizer.step()
-    return cfg, TrainState(model, optimizer, torch.Generator().manual_seed(cfg.seed))
+    return cfg, dict(model=ModelState(model), optimizer=OptimizerState(model, optimizer),
+                     train=TrainState(torch.Generator().manual_seed(cfg.seed)), rng=RNGState(world))
 
 
 def to_stderr(line):
@@ -66,33 +72,51 @@ def to_stderr(line):
 
 
 def single_file(args):
-    world = types.SimpleNamespace(ddp=False, rank=0, size=1, device=torch.device("cpu"), sharded=False, master=True)
-    print("| size | parameters | ckpt.pt | save (s) | load (s) |")
-    print("|---|---|---|---|---|")
+    world = types.SimpleNamespace(distributed=False, rank=0, size=1, device=torch.device("cpu"), sharded=False,
+                                  master=True)
+    print("| size | parameters | ckpt.pt | save (s) | load (s) | SHA-256 in memory (s/GB) | file read and hashed "
+          "(s/GB) |")
+    print("|---|---|---|---|---|---|---|")
     for size in args.sizes:
         folder = os.path.join(args.out_dir, size)
-        cfg, state = run_state(size, args.residual, folder, sharded=False)
+        cfg, states = run_state(size, args.residual, folder, False, world)
         os.makedirs(folder, exist_ok=True)
         checkpoints = CheckpointManager(cfg, world, to_stderr)
+        checkpoints.restore(states, None)
         saves = []
         for repeat in range(args.repeats):
-            state.step = repeat + 1
+            states["train"].step = repeat + 1
             start = time.perf_counter()
-            checkpoints.save(state, force=True)
+            checkpoints.save(force=True)
             saves.append(time.perf_counter() - start)
         start = time.perf_counter()
         load_checkpoint(checkpoints.path)
         load_s = time.perf_counter() - start
         gigabytes = os.path.getsize(checkpoints.path) / 1e9
-        print(f"| {size} | {state.model.get_num_params() / 1e6:.0f}M | {gigabytes:.2f} GB | "
-              f"{' / '.join(f'{s:.2g}' for s in saves)} | {load_s:.2g} |", flush=True)
+        print(f"| {size} | {states['model'].model.get_num_params() / 1e6:.0f}M | {gigabytes:.2f} GB | "
+              f"{' / '.join(f'{s:.2g}' for s in saves)} | {load_s:.2g} | {digest_seconds(checkpoints.path)} |",
+              flush=True)
         shutil.rmtree(folder)
+
+
+def digest_seconds(path):
+    """"<in memory> | <file read and hashed>", in seconds per GB, for the file at path."""
+    with open(path, "rb") as f:
+        data = f.read()
+    start = time.perf_counter()
+    hashlib.sha256(data).hexdigest()
+    in_memory = time.perf_counter() - start
+    start = time.perf_counter()
+    file_digest(path)
+    from_file = time.perf_counter() - start
+    gigabytes = len(data) / 1e9
+    return f"{in_memory / gigabytes:.2f} | {from_file / gigabytes:.2f}"
 
 
 def sharded_worker(rank, args, port):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    world = types.SimpleNamespace(ddp=True, rank=rank, size=2, device=torch.device("cpu"), sharded=True,
+    world = types.SimpleNamespace(distributed=True, rank=rank, size=2, device=torch.device("cpu"), sharded=True,
                                   master=rank == 0)
     if rank == 0:
         print("| size | parameters | mode | loop blocked (s) | until published (s) |")
@@ -100,23 +124,24 @@ def sharded_worker(rank, args, port):
     for size in args.sizes:
         for asynchronous in (False, True):
             folder = os.path.join(args.out_dir, size)
-            cfg, state = run_state(size, args.residual, folder, sharded=True)
+            cfg, states = run_state(size, args.residual, folder, True, world)
             if rank == 0:
                 os.makedirs(folder, exist_ok=True)
             dist.barrier()
             checkpoints = CheckpointManager(cfg, world, to_stderr, asynchronous=asynchronous)
+            checkpoints.restore(states, None)
             for repeat in range(args.repeats):
-                state.step = repeat + 1
+                states["train"].step = repeat + 1
                 dist.barrier()
                 start = time.perf_counter()
-                checkpoints.save(state, force=True)  # what the loop waits for
+                checkpoints.save(force=True)  # what the loop waits for
                 blocked = time.perf_counter() - start
                 checkpoints.wait()
                 published = time.perf_counter() - start
                 times = torch.tensor([blocked, published], dtype=torch.float64)
                 dist.all_reduce(times, op=dist.ReduceOp.MAX)
                 if rank == 0:
-                    print(f"| {size} | {state.model.get_num_params() / 1e6:.0f}M | "
+                    print(f"| {size} | {states['model'].model.get_num_params() / 1e6:.0f}M | "
                           f"{'asynchronous' if asynchronous else 'synchronous'} | {times[0]:.2f} | {times[1]:.2f} |",
                           flush=True)
             dist.barrier()

@@ -2,12 +2,16 @@
 job, since when) and touches the file every HEARTBEAT_S seconds while it runs; it removes the file
 when it ends. A start on a folder whose owner is alive refuses with one error line; a folder whose
 owner is gone (its process ended, on this host; its heartbeat older than STALE_S, on another host of
-a shared filesystem) is taken over with a note. The ranks of one job are one writer, and so are the
-starts of one job: torchrun's restarts (same TORCHELASTIC_RUN_ID) and SLURM's requeues (same
-SLURM_JOB_ID) continue the run whatever the record says."""
+a shared filesystem) is taken over with a note, and so is a record that names no process (cut short
+as its writer died, empty, or JSON of another shape). Taking over is atomic: of any number of starts
+that find one gone owner, exactly one goes on and the others find its live record. The ranks of one
+job are one writer, and so are the starts of one job: torchrun's restarts (same TORCHELASTIC_RUN_ID)
+and SLURM's requeues (same SLURM_JOB_ID) continue the run whatever the record says."""
 
 import contextlib
 import datetime
+import errno
+import fcntl
 import json
 import os
 import socket
@@ -16,7 +20,7 @@ import time
 
 import torch.distributed as dist
 
-from checkpoint.single_file import CheckpointError
+from checkpoint.files import CheckpointError
 
 OWNER_FILE = "owner.json"
 HEARTBEAT_S = 30
@@ -47,7 +51,7 @@ def process_start(pid):
 def owner_gone(record, heartbeat_age):
     """Why the owner of record is gone, or None while it may still write."""
     if record.get("cut_short"):
-        return "its writer died"
+        return "its record names no process (a write cut short, or not an owner record)"
     if record["host"] == socket.gethostname():
         try:
             os.kill(record["pid"], 0)
@@ -64,9 +68,22 @@ def owner_gone(record, heartbeat_age):
     return None
 
 
+def parse_record(data):
+    """The owner record in data (bytes), or one marked cut_short when data is no owner record: a
+    write cut short, an empty file, or JSON of another shape ({}, [1, 2], null)."""
+    try:
+        record = json.loads(data)
+    except (ValueError, RecursionError):  # RecursionError: garbage nested deeper than the parser goes
+        record = None
+    if (isinstance(record, dict) and isinstance(record.get("host"), str) and type(record.get("pid")) is int
+            and 0 < record["pid"] < 2**31 and isinstance(record.get("since"), str)):
+        return record
+    return dict(cut_short=True)
+
+
 def describe(record):
     if record.get("cut_short"):
-        return "an owner whose record was cut short"
+        return "an unreadable owner record"
     return f"pid {record['pid']} on {record['host']} since {record['since']}" + \
         (f" ({record['job']})" if record.get("job") else "")
 
@@ -87,15 +104,19 @@ class RunOwner:
         if self.world.master:
             try:
                 self._claim()
-            except (CheckpointError, OSError) as e:
-                outcome = [str(e) if isinstance(e, CheckpointError) else f"cannot claim {self.out_dir}: {e}"]
-        if self.world.ddp:
+            except CheckpointError as e:
+                outcome = [str(e)]
+            except OSError as e:
+                outcome = [cannot_write(self.out_dir, e)]
+        if self.world.distributed:
             dist.broadcast_object_list(outcome, src=0)
         if outcome[0] is not None:
             raise CheckpointError(outcome[0])
         return self
 
     def _claim(self):
+        if os.path.exists(self.out_dir) and not os.path.isdir(self.out_dir):
+            raise CheckpointError(f"--out_dir={self.out_dir} is a file, not a folder: pick another --out_dir")
         self.made_folder = not os.path.isdir(self.out_dir)
         os.makedirs(self.out_dir, exist_ok=True)
         job = current_job()
@@ -106,39 +127,51 @@ class RunOwner:
         with open(staged, "w", encoding="utf-8") as f:
             json.dump(mine, f)
         try:
-            while True:
-                record, age = self._read()
-                if record is not None and (job is None or record.get("job") != job):
-                    gone = owner_gone(record, age)
-                    if gone is None:
-                        raise CheckpointError(
-                            f"{self.out_dir} is being written by a live run: {describe(record)}, heartbeat "
-                            f"{age:.0f} s ago; wait for it to end, stop it, or pick another --out_dir (if it is "
-                            f"in fact gone, remove {self.path})")
-                    self.log(f"note: taking over {self.out_dir} from {describe(record)}: {gone}")
-                if record is not None:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.remove(self.path)
-                try:
-                    os.link(staged, self.path)  # fails if another start claimed the folder meanwhile
-                    break
-                except FileExistsError:
-                    continue
+            while not (self._link(staged) or self._take_over(staged, job)):
+                pass  # the record changed while we looked: look again
         finally:
-            os.remove(staged)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(staged)
         self.heartbeat = threading.Thread(target=self._beat, daemon=True)
         self.heartbeat.start()
 
-    def _read(self):
-        """(the owner's record, seconds since its heartbeat), or (None, None) without an owner."""
+    def _link(self, staged):
+        """Claim a folder without an owner: the link fails if any record is there."""
         try:
-            with open(self.path, encoding="utf-8") as f:
-                record = json.load(f)
-            return record, time.time() - os.stat(self.path).st_mtime
+            os.link(staged, self.path)
+            return True
+        except FileExistsError:
+            return False
+
+    def _take_over(self, staged, job):
+        """Replace the record there if its owner is gone (or it is this job's), saying so; raise the
+        live-owner error if not. Each start that found the record holds its flock in turn and checks
+        that the record is still the one at the path, so of any number of starts taking over one
+        gone owner, exactly one does and the others find its live record. False when the record
+        changed meanwhile."""
+        try:
+            f = open(self.path, "r+b")
         except FileNotFoundError:
-            return None, None
-        except ValueError:  # a record cut short as its writer died
-            return dict(host="?", pid="?", since="?", cut_short=True), 0.0
+            return False
+        with f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                if os.stat(self.path).st_ino != os.fstat(f.fileno()).st_ino:
+                    return False
+            except FileNotFoundError:
+                return False
+            record = parse_record(f.read())
+            age = time.time() - os.fstat(f.fileno()).st_mtime
+            if job is None or record.get("job") != job:
+                gone = owner_gone(record, age)
+                if gone is None:
+                    raise CheckpointError(
+                        f"{self.out_dir} is being written by a live run: {describe(record)}, heartbeat {age:.0f} s "
+                        f"ago; wait for it to end, stop it, or pick another --out_dir (if it is in fact gone, "
+                        f"remove {self.path})")
+                self.log(f"note: taking over {self.out_dir} from {describe(record)}: {gone}")
+            os.replace(staged, self.path)
+            return True
 
     def _beat(self):
         while not self.stopped.wait(HEARTBEAT_S):
@@ -154,3 +187,16 @@ class RunOwner:
             os.remove(self.path)
             if self.made_folder:
                 os.rmdir(self.out_dir)  # only if the run left it empty
+
+
+def cannot_write(out_dir, error):
+    """The line for an OSError while claiming out_dir: what could not be written, and the fix."""
+    where = error.filename or out_dir
+    folder = os.path.dirname(os.path.abspath(where))
+    if error.errno in (errno.EACCES, errno.EPERM):
+        return f"cannot write {where} (permission denied): make {folder} writable (chmod u+w) or pick another --out_dir"
+    if error.errno == errno.EROFS:
+        return f"cannot write {where}: {folder} is on a read-only filesystem; pick an --out_dir on a writable disk"
+    if error.errno == errno.ENOSPC:
+        return f"cannot write {where}: the disk is full; free space in {folder}, or pick another --out_dir"
+    return f"cannot write {where} ({error.strerror or error}); make {folder} writable, or pick another --out_dir"

@@ -1,12 +1,14 @@
-"""Sharded checkpoints (train.py --parallel=fsdp) with torch.distributed.checkpoint (DCP).
+"""The sharded format (train.py --parallel=fsdp) with torch.distributed.checkpoint (DCP).
 
-<out_dir>/ckpt.dcp is a link to the newest complete `ckpt.dcp.<step>` folder: DCP's files, one per
-rank, with the model and optimizer state ("model", "optimizer"), and run.pt (a one-file checkpoint)
-with the rest of the checkpoint's items; a folder is complete once it holds run.pt and DCP's index,
-.metadata (written last). Saves may be asynchronous; the link is swapped atomically once a save is
-complete; a start repairs what a copy or a killed save left (recover_sharded). A sharded checkpoint
-loads on any number of processes, or into a plain model in one process; its pickled index is read
-with an unpickler that builds only DCP's own metadata classes.
+<out_dir>/ckpt.dcp is a link to the newest published `ckpt.dcp.<step>` folder: DCP's files, one per
+rank, with the model's and the optimizer's items (SHARDED_ITEMS), and run.pt (a one-file
+checkpoint) with the other items. Every file carries its digest record (checkpoint/files.py), each
+rank's shards hashed as its writer writes them; a folder is complete once it holds run.pt and DCP's
+index, .metadata (written last, its record before it). Saves may be asynchronous; the link is
+swapped atomically once a save is complete; once a start has decided, prepare() repairs what a copy
+or a killed save left. A sharded checkpoint loads on any number of processes, or into a plain model
+in one process; its pickled index is read with an unpickler that builds only DCP's own metadata
+classes.
 
 DCP is imported in the functions only: it is slow to import, and sampling, export, analysis and
 unsharded runs never need it.
@@ -25,71 +27,207 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from checkpoint.single_file import CheckpointError, fsync_dir, load_checkpoint, save_checkpoint
+from checkpoint.files import (DIGEST_SUFFIX, Damaged, DigestingWriter, Found, fsync_dir, load_checkpoint, read_record,
+                              record_path, save_checkpoint, set_aside, verify_file, write_record)
 
 SHARDED_NAME = "ckpt.dcp"  # the link to the newest complete sharded checkpoint in an out_dir
-RUN_STATE_FILE = "run.pt"  # a sharded checkpoint's items besides the model and optimizer state
+RUN_STATE_FILE = "run.pt"  # a sharded checkpoint's items besides the sharded ones
+SHARDED_ITEMS = ("model", "optimizer")  # the items DCP writes, each rank its shards
+STAGER_REUSE_TORCH = (2, 13)  # before it, DefaultStager closes itself after one stage (torch 2.11 does)
+SHARDED_FOLDER = re.compile(re.escape(SHARDED_NAME) + r"\.(\d+)(?:-(\d+))?")
 
 
 def sharded_path(out_dir):
     return os.path.join(out_dir, SHARDED_NAME)
 
 
-def start_sharded_save(path, model, optimizer, run_state, keep=1, group=None, stager=None):
-    """Start a save to the sharded checkpoint `path`; returns the ShardedSave that publishes it.
-    Every rank calls it: rank 0 writes run.pt (run_state: a checkpoint dict without model and
-    optimizer) into a new folder `ckpt.dcp.<step>`, then each rank writes its own shards of the
-    model (sharded by parallelize.apply_fsdp) and of its optimizer there. With a stager (DCP's
-    AsyncStager, new_stager) the save is asynchronous: the stager copies the shards into CPU
-    memory here, and a background thread writes them, its collectives going through `group` (a
-    gloo group apart from training's); the model may train on meanwhile."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    out_dir = os.path.dirname(os.path.abspath(path))
-    names = [_fresh_folder_name(out_dir, run_state["step"]) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(names)
-    folder, error = os.path.join(out_dir, names[0]), None
-    if dist.get_rank() == 0:
-        try:
-            os.makedirs(folder)
-            save_checkpoint(os.path.join(folder, RUN_STATE_FILE), run_state)
-        except Exception as e:  # torch's writer raises RuntimeError as well as OSError
-            error = e
-    started = [error is None]
-    dist.broadcast_object_list(started)  # no rank goes into DCP's collectives alone
-    save = ShardedSave(out_dir, names[0], run_state["step"], keep)
-    if not started[0]:
-        save.remove_folder()
-        raise error if error is not None else OSError("rank 0 could not start the checkpoint")
-    try:
-        fresh = not optimizer.state
-        model_state, optimizer_state = get_state_dict(model, optimizer)
-        if fresh:  # get_state_dict built the state with one zero-gradient step: AdamW's state before any step
-            for param_state in optimizer.state.values():
-                param_state["step"].zero_()
-        state = dict(model=model_state, optimizer=optimizer_state)
-        writer = dcp.FileSystemWriter(folder, sync_files=True)
-        if stager is not None:
-            save.future = dcp.async_save(state, storage_writer=writer, process_group=group, async_stager=stager)
-        else:
+class ShardedStorage:
+    """The sharded checkpoints of out_dir: the link ckpt.dcp and its ckpt.dcp.<step> folders.
+    Asynchronous saves (asynchronous=True) stage the shards into CPU memory with DCP's stager and
+    write them in a background thread whose collectives go through `group`, a gloo group apart from
+    training's."""
+    parallel = "fsdp"
+
+    def __init__(self, out_dir, device=None, asynchronous=False, group=None):
+        self.out_dir, self.device, self.group = out_dir, device, group
+        self.path = sharded_path(out_dir)
+        self.stager = new_stager(device) if asynchronous else None
+
+    def found(self):
+        """Every complete sharded checkpoint in out_dir, newest first: the linked folder named by
+        the link, ckpt.dcp.<step> folders, and a ckpt.dcp that a copy made a folder."""
+        linked = os.path.basename(os.readlink(self.path)) if os.path.islink(self.path) else None
+        found = [Found(self.path if name == linked else os.path.join(self.out_dir, name), int(m[1]))
+                 for m, name in ((SHARDED_FOLDER.fullmatch(name), name) for name in sharded_folders(self.out_dir))
+                 if is_complete_sharded(os.path.join(self.out_dir, name))]
+        if os.path.isdir(self.path) and not os.path.islink(self.path) and is_complete_sharded(self.path):
+            found.append(Found(self.path, folder_step(self.path)))
+        return sorted(found, key=lambda f: -1 if f.step is None else f.step, reverse=True)
+
+    def read(self, found, verify=True):
+        """(run.pt's items, whether every file's digests verified); Damaged when it cannot be used."""
+        if not os.path.isfile(os.path.join(found.path, ".metadata")):
+            raise Damaged(f"{found.path} is truncated, corrupt or not a sharded checkpoint (no .metadata)")
+        verified = verify and verify_folder(found.path)
+        ckpt = load_checkpoint(os.path.join(found.path, RUN_STATE_FILE), required=("model_args", "config", "step"),
+                               verify=False)
+        return ckpt, verified
+
+    def load(self, found, ckpt, states):
+        """The items to continue from: run.pt's, and the sharded ones read by DCP into the states'
+        own (each rank its shards; DCP reshards to any world size)."""
+        template = {key: states[key].state_dict()[key] for key in SHARDED_ITEMS}
+        load_dcp(found.path, template)
+        return dict(ckpt, **template)
+
+    def start_save(self, items, step, keep, saved_step, master):
+        """Start a save; returns the ShardedSave that publishes it. Every rank calls it: rank 0 writes
+        run.pt (every item but SHARDED_ITEMS) into a new folder `ckpt.dcp.<step>`, then each rank
+        writes its own shards there. With a stager the save is asynchronous: the stager copies the
+        shards into CPU memory here, and a background thread writes them; the model may train on."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+        if self.stager is not None and torch.__version__ < STAGER_REUSE_TORCH:
+            self.stager.close()
+            self.stager = new_stager(self.device)
+        names = [_fresh_folder_name(self.out_dir, step) if master else None]
+        dist.broadcast_object_list(names)
+        folder, error = os.path.join(self.out_dir, names[0]), None
+        if master:
             try:
-                dcp.save(state, storage_writer=writer)
-            except CheckpointException as e:  # a BaseException: raise the first rank's own exception instead
-                raise first_exception(e) from None
-    except BaseException:
-        save.remove_folder()
-        raise
-    return save
+                os.makedirs(folder)
+                save_checkpoint(os.path.join(folder, RUN_STATE_FILE),
+                                {k: v for k, v in items.items() if k not in SHARDED_ITEMS})
+            except Exception as e:  # torch's writer raises RuntimeError as well as OSError
+                error = e
+        started = [error is None]
+        dist.broadcast_object_list(started)  # no rank goes into DCP's collectives alone
+        save = ShardedSave(self.out_dir, names[0], step, keep)
+        if not started[0]:
+            save.remove_folder()
+            raise error if error is not None else OSError("rank 0 could not start the checkpoint")
+        try:
+            state = {key: items[key] for key in SHARDED_ITEMS}
+            writer = _digesting_writer_class()(folder, step)
+            if self.stager is not None:
+                save.future = dcp.async_save(state, storage_writer=writer, process_group=self.group,
+                                             async_stager=self.stager)
+            else:
+                try:
+                    dcp.save(state, storage_writer=writer)
+                except CheckpointException as e:  # a BaseException: raise the first rank's own exception instead
+                    raise first_exception(e) from None
+        except BaseException:
+            save.remove_folder()
+            raise
+        return save
+
+    def prepare(self, chosen, skipped, keep):
+        """Rank 0, once a start has decided (chosen: the Found it resumes, or None): the damaged
+        checkpoints it skipped set aside; a ckpt.dcp that a copy made a folder (`cp -rL`) becomes a
+        ckpt.dcp.<step> folder; the link names the chosen folder; the folders of killed or failed
+        saves and those beyond the `keep` newest removed. Returns what it did, as lines."""
+        lines = [f"note: set {damaged.path} aside as {set_aside(_folder_of(damaged.path))}" for damaged, _ in skipped]
+        copied = os.path.isdir(self.path) and not os.path.islink(self.path)
+        if copied:
+            step = folder_step(self.path)
+            moved = os.path.join(self.out_dir, _fresh_folder_name(self.out_dir, step))
+            os.rename(self.path, moved)
+            chosen = Found(moved, step) if chosen is not None and chosen.path == self.path else chosen
+            lines.append(f"{self.path} was a folder, not a link (a copy that followed links): its checkpoint of step "
+                         f"{step} is {'linked again' if chosen is not None and chosen.path == moved else 'kept'}")
+        if chosen is not None:
+            linked = os.path.basename(os.readlink(self.path)) if os.path.islink(self.path) else None
+            name = os.path.basename(_folder_of(chosen.path))
+            if name != linked:
+                if not (skipped or copied):
+                    lines.append(f"using {name}, the newest complete checkpoint in {self.out_dir}, which a killed save "
+                                 f"left unlinked")
+                _point_link(self.out_dir, name)
+        removed = remove_stale_sharded(self.out_dir, keep)
+        if removed:
+            lines.append(f"removed {removed} checkpoint folder(s) in {self.out_dir} beyond the {keep} kept, left by "
+                         f"saves that were killed, failed or replaced")
+        return lines
+
+    def close(self):
+        if self.stager is not None:
+            self.stager.close()
 
 
-STAGER_REUSE_TORCH = (2, 13)  # before it, DefaultStager closes itself after one stage (torch 2.11 does)
+def _folder_of(path):
+    """The folder a sharded checkpoint's path names (the link's target for the link)."""
+    return os.path.join(os.path.dirname(path), os.readlink(path)) if os.path.islink(path) else path
+
+
+def folder_step(folder):
+    """The step of a sharded checkpoint folder: its run.pt's digest record says it, else run.pt."""
+    run_state = os.path.join(folder, RUN_STATE_FILE)
+    with contextlib.suppress(Damaged):
+        saves = read_record(run_state)
+        if saves is not None and isinstance(saves[-1].get("step"), int):
+            return saves[-1]["step"]
+        return load_checkpoint(run_state, required=("step",), verify=False)["step"]
+    return None
+
+
+def verify_folder(folder):
+    """Whether every file of a sharded checkpoint matches its digest record: True, or False for a
+    folder written before checkpoints carried digests (no record at all); Damaged, naming the
+    file, when one does not, or has no record, or is missing."""
+    names = os.listdir(folder)
+    recorded = {name[:-len(DIGEST_SUFFIX)] for name in names if name.endswith(DIGEST_SUFFIX)}
+    recorded = {name for name in recorded if not name.endswith(".tmp")}
+    if not recorded:
+        return False
+    files = {name for name in names if name.endswith(".distcp") or name in (".metadata", RUN_STATE_FILE)}
+    for name in sorted(files | recorded):
+        if name not in recorded:
+            raise Damaged(f"{os.path.join(folder, name)} is damaged: it has no digest record")
+        verify_file(os.path.join(folder, name))
+    return True
+
+
+@functools.cache
+def _digesting_writer_class():
+    """DCP's FileSystemWriter whose files are hashed as they are written and recorded as the save of
+    `step` (each rank its own shards; rank 0 also DCP's index, whose record is renamed into place
+    before the index). Built on first use, as DCP is imported then."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class DigestingFileSystem(FileSystem):
+        def __init__(self, step):
+            super().__init__()
+            self.step = step
+
+        @contextlib.contextmanager
+        def create_stream(self, path, mode):
+            with super().create_stream(path, mode) as stream:
+                if mode != "wb":
+                    yield stream
+                    return
+                writer = DigestingWriter(stream)
+                yield writer
+            write_record(path, [writer.save(self.step)])
+
+        def rename(self, path, new_path):
+            if os.path.exists(record_path(path)):  # the record first: a complete folder's files all have one
+                os.replace(record_path(path), record_path(new_path))
+            super().rename(path, new_path)
+
+    class DigestingFileSystemWriter(dcp.FileSystemWriter):
+        def __init__(self, folder, step):
+            super().__init__(folder, sync_files=True)
+            self.fs = DigestingFileSystem(step)
+
+    return DigestingFileSystemWriter
 
 
 def new_stager(device):
     """DCP's stager for asynchronous saves: it keeps the CPU copy of each tensor from one save to
     the next (allocating it anew each time costs more than the copy), pinned for a GPU. Before
-    STAGER_REUSE_TORCH a stager serves one save: the manager makes one per save there."""
+    STAGER_REUSE_TORCH a stager serves one save: start_save makes one per save there."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     # by position, as async_save builds its own (the last field's name differs between torch versions):
     # pinned memory, shared memory, staging in a thread, non-blocking copies
@@ -171,9 +309,6 @@ def _point_link(out_dir, name):
     fsync_dir(out_dir)
 
 
-SHARDED_FOLDER = re.compile(re.escape(SHARDED_NAME) + r"\.(\d+)(?:-(\d+))?")
-
-
 def sharded_folders(out_dir):
     """The ckpt.dcp.<step>[-<retry>] folders of out_dir, oldest first (by step, then retry)."""
     names = os.listdir(out_dir) if os.path.isdir(out_dir) else []
@@ -200,77 +335,56 @@ def remove_stale_sharded(out_dir, keep=1):
     return len(stale)
 
 
-def recover_sharded(out_dir, keep=1):
-    """Make out_dir's sharded checkpoints usable again at a start, before anything reads them;
-    returns what it did, as lines. A ckpt.dcp that is a folder (a run copied with `cp -rL`, or
-    to a filesystem without links) becomes the folder of its step, and the link names it; the
-    newest complete ckpt.dcp.<step> folder becomes the linked one (a save killed after its write
-    and before the link swap left it unlinked); folders beyond the kept ones are removed."""
-    link, lines = sharded_path(out_dir), []
-    if os.path.isdir(link) and not os.path.islink(link) and is_complete_sharded(link):
-        step = load_checkpoint(os.path.join(link, RUN_STATE_FILE), required=("step",))["step"]
-        same = os.path.join(out_dir, f"{SHARDED_NAME}.{step}")
-        if is_complete_sharded(same):  # `cp -rL` copied the linked folder twice
-            shutil.rmtree(link)
-        else:
-            os.rename(link, os.path.join(out_dir, _fresh_folder_name(out_dir, step)))
-        lines.append(f"{link} was a folder, not a link (a copy that followed links): its checkpoint of step {step} "
-                     f"is linked again")
-    complete = [name for name in sharded_folders(out_dir) if is_complete_sharded(os.path.join(out_dir, name))]
-    if os.path.isdir(link) and not os.path.islink(link):
-        return lines  # an incomplete copy: not ours to touch; loading it says what is wrong
-    live = os.path.basename(os.readlink(link)) if os.path.islink(link) else None
-    if complete and complete[-1] != live:
-        if not lines:
-            lines.append(f"using {complete[-1]}, the newest complete checkpoint in {out_dir}, which a killed save "
-                         f"left unlinked")
-        _point_link(out_dir, complete[-1])
-    removed = remove_stale_sharded(out_dir, keep) if complete else 0
-    if removed:
-        lines.append(f"removed {removed} checkpoint folder(s) in {out_dir} beyond the {keep} kept, left by saves "
-                     f"that were killed, failed or replaced")
-    return lines
-
-
 def load_sharded_run(path):
-    """The run state of the sharded checkpoint folder `path` (its dict without model and
-    optimizer); raises CheckpointError with one line."""
+    """The run state of the sharded checkpoint folder `path` (its items but the sharded ones),
+    run.pt verified; raises Damaged with one line."""
     if not os.path.isdir(path):
-        raise CheckpointError(f"checkpoint not found: {path}")
+        raise Damaged(f"checkpoint not found: {path}")
     if not os.path.isfile(os.path.join(path, ".metadata")):
-        raise CheckpointError(f"{path} is truncated, corrupt or not a sharded checkpoint (no .metadata)")
+        raise Damaged(f"{path} is truncated, corrupt or not a sharded checkpoint (no .metadata)")
     return load_checkpoint(os.path.join(path, RUN_STATE_FILE), required=("model_args", "config", "step"))
 
 
-def load_sharded(path, model, optimizer=None):
-    """Read the weights (and the optimizer state, if given) of the sharded checkpoint folder `path`
-    into model: one sharded by parallelize.apply_fsdp on any number of ranks (DCP reshards), or a
-    plain GPT in one process. Raises CheckpointError with one line."""
+def load_dcp(path, template):
+    """Read the sharded checkpoint folder `path` into template, a dict of its items' state dicts
+    (tensors or DTensors of the right shapes, filled in place), on every rank of the process group
+    or in one process without one. Raises Damaged with one line."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     reader, planner = _safe_reader_and_planner()
-    plain = not any(hasattr(p, "device_mesh") for p in model.parameters())
-    if plain:
-        # the scalars were saved as the 1-element vectors apply_fsdp made of them: views share storage
-        state = dict(model={k: v.view(1) if v.dim() == 0 else v for k, v in model.state_dict().items()})
-    else:
-        model_state, optimizer_state = get_state_dict(model, optimizer if optimizer is not None else [])
-        state = dict(model=model_state) if optimizer is None else dict(model=model_state, optimizer=optimizer_state)
     try:
         with warnings.catch_warnings():  # DCP warns that one process reads it, which is what we ask for
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, storage_reader=reader(path), planner=planner(),
-                     no_dist=not dist.is_initialized())
+            dcp.load(template, storage_reader=reader(path), planner=planner(), no_dist=not dist.is_initialized())
     except (Exception, CheckpointException) as e:
         reason = first_failure(e) if isinstance(e, CheckpointException) else one_line(e)
-        raise CheckpointError(f"{path} is truncated, corrupt or not a checkpoint of this model ({reason})") from None
-    if plain:
-        model.load_state_dict(model.state_dict())  # runs the load hooks: mhclite rebuilds its permutation matrices
-    elif optimizer is not None:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    else:
-        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
+        raise Damaged(f"{path} is truncated, corrupt or not a checkpoint of this model ({reason})") from None
+
+
+def read_weights(path, module):
+    """Read the model weights of the sharded checkpoint folder `path` into a plain module, in one
+    process. A sharded model stores each 0-D parameter as the 1-element vector apply_fsdp made of
+    it: the module's own are read through such views, which share their storage."""
+    template = dict(model={k: v.view(1) if v.dim() == 0 else v for k, v in module.state_dict().items()})
+    load_dcp(path, template)
+    module.load_state_dict(module.state_dict())  # runs the load hooks: mhclite rebuilds its permutation matrices
+
+
+def read_model_items(path):
+    """The model weights of the sharded checkpoint folder `path` as a dict of plain tensors, shaped
+    as saved (0-D parameters as 1-element vectors), without a model: their shapes come from DCP's
+    index."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    reader, _ = _safe_reader_and_planner()
+    try:
+        metadata = reader(path).read_metadata()
+    except Exception as e:
+        raise Damaged(f"{path} is truncated, corrupt or not a sharded checkpoint ({one_line(e)})") from None
+    template = dict(model={key[len("model."):]: torch.empty(item.size, dtype=item.properties.dtype)
+                           for key, item in metadata.state_dict_metadata.items()
+                           if key.startswith("model.") and isinstance(item, TensorStorageMetadata)})
+    load_dcp(path, template)
+    return template["model"]
 
 
 @functools.cache

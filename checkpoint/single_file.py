@@ -1,92 +1,87 @@
-"""One-file checkpoints (ckpt.pt): an atomic, locked write; the temporary files a killed write
-left, removed; the older checkpoints kept beside it; loading with one-line errors. The file holds
-only tensors and plain Python values, so it loads with torch.load(weights_only=True) and never
-runs pickled code."""
+"""The one-file format (--parallel=ddp): ckpt.pt, written by rank 0 (checkpoint/files.py: atomic,
+locked, with its digest record), and with --keep_checkpoints=K the K - 1 before it kept beside it
+as ckpt.<step>.pt (a second name for the file that was ckpt.pt, no copy)."""
 
 import contextlib
-import fcntl
 import os
 import re
 import shutil
-import tempfile
 
-import torch
+from checkpoint.files import (Damaged, Found, load_checkpoint, read_record, record_path, remove_stale_temp_files,
+                              save_checkpoint, set_aside, verify_file, write_record)
 
-REQUIRED_KEYS = ("model", "model_args", "config", "step")
+SINGLE_NAME = "ckpt.pt"
 KEPT_FILE = re.compile(r"ckpt\.(\d+)\.pt")  # an older checkpoint kept beside ckpt.pt (--keep_checkpoints)
 
 
-class CheckpointError(Exception):
-    """A missing, truncated, corrupt or incompatible checkpoint, as one line."""
+class OneFileStorage:
+    """ckpt.pt and the checkpoints kept beside it, in out_dir."""
+    parallel = "ddp"
+
+    def __init__(self, out_dir):
+        self.out_dir = out_dir
+        self.path = os.path.join(out_dir, SINGLE_NAME)
+
+    def found(self):
+        """Every checkpoint file in out_dir, newest first: ckpt.pt, then ckpt.<step>.pt by step."""
+        names = os.listdir(self.out_dir) if os.path.isdir(self.out_dir) else []
+        kept = sorted((m for m in map(KEPT_FILE.fullmatch, names) if m), key=lambda m: -int(m[1]))
+        found = [Found(self.path, recorded_step(self.path))] if os.path.isfile(self.path) else []
+        return found + [Found(os.path.join(self.out_dir, m[0]), int(m[1])) for m in kept
+                        if os.path.isfile(os.path.join(self.out_dir, m[0]))]
+
+    def read(self, found, verify=True):
+        """(the checkpoint's items, whether its digests verified); Damaged when it cannot be used."""
+        verified = verify and verify_file(found.path) is not None
+        return load_checkpoint(found.path, verify=False), verified
+
+    def load(self, found, ckpt, states):
+        """The items to continue from: the one file holds all of them already."""
+        return ckpt
+
+    def start_save(self, items, step, keep, saved_step, master):
+        """Rank 0 writes ckpt.pt, after keeping the one it replaces (of saved_step) as
+        ckpt.<saved_step>.pt when keep > 1, and removes the kept ones beyond keep; done on return."""
+        if master:
+            if keep > 1 and saved_step is not None:
+                keep_previous(self.path, saved_step)
+            save_checkpoint(self.path, items)
+            remove_stale_kept(self.out_dir, keep)
+        return None
+
+    def prepare(self, chosen, skipped, keep):
+        """Rank 0, once a start has decided: the damaged checkpoints it skipped set aside, the
+        temporary files of killed saves removed. Returns what it did, as lines."""
+        lines = [f"note: set {damaged.path} aside as {set_aside(damaged.path)}" for damaged, _ in skipped]
+        removed, freed = remove_stale_temp_files(self.path)
+        if removed:
+            lines.append(f"removed {removed} stale checkpoint temp file(s) in {self.out_dir} ({freed / 1e6:.1f} MB), "
+                         f"left by a save that was killed")
+        return lines
+
+    def close(self):
+        """Nothing to release: a save is complete on return."""
 
 
-def save_checkpoint(path, obj):
-    """Write obj with torch.save to a temporary file `<path>.<random>.tmp` in the same directory,
-    fsync it, then rename it over `path`: a crash at any moment leaves either the old file or the
-    new one, whole. The writer holds an exclusive flock on the temporary file until it is renamed,
-    so remove_stale_temp_files can tell a save in progress from one whose process died. When a
-    write fails (a full disk), the OSError is raised, not the RuntimeError torch's writer makes of it."""
-    directory = os.path.dirname(os.path.abspath(path))
-    f, tmp_path = _locked_temp_file(path)
-    writer = _ErrorKeepingWriter(f)
-    try:
-        with f:
-            torch.save(obj, writer)
-            f.flush()
-            os.fsync(f.fileno())
-            os.replace(tmp_path, path)  # still locked: never an unlocked file under a temp name
-    except BaseException as e:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp_path)
-        if writer.error is not None and writer.error is not e:
-            raise writer.error from None
-        raise
-    fsync_dir(directory)  # make the rename itself durable
-
-
-class _ErrorKeepingWriter:
-    """The file object torch.save writes through: it keeps the first OSError of a write (its errno
-    says why), which torch's zip writer would otherwise turn into "unexpected pos"."""
-
-    def __init__(self, f):
-        self.f, self.error = f, None
-
-    def write(self, data):
-        try:
-            return self.f.write(data)
-        except OSError as e:
-            self.error = self.error or e
-            raise
-
-    def flush(self):
-        self.f.flush()
-
-
-def fsync_dir(directory):
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-def _locked_temp_file(path):
-    """(file open for writing, its path): a new temporary file next to `path`, flock-ed by us."""
-    directory = os.path.dirname(os.path.abspath(path))
-    while True:
-        fd, tmp_path = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=directory)
-        f = os.fdopen(fd, "wb")
-        fcntl.flock(f, fcntl.LOCK_EX)
-        if os.fstat(f.fileno()).st_nlink:
-            return f, tmp_path
-        f.close()  # a cleaner removed it before we held the lock; take a fresh one
+def recorded_step(path):
+    """The step of the newest save in path's digest record, or None."""
+    with contextlib.suppress(Damaged):
+        saves = read_record(path)
+        if saves is not None and isinstance(saves[-1].get("step"), int):
+            return saves[-1]["step"]
+    return None
 
 
 def keep_previous(path, step):
     """Before ckpt.pt (path) is replaced, keep its checkpoint of `step` as ckpt.<step>.pt: a second
-    name for the same file (a copy where the filesystem has no hard links)."""
+    name for the same file (a copy where the filesystem has no hard links), its digest record
+    written first, so the kept file never goes without one."""
     kept = os.path.join(os.path.dirname(os.path.abspath(path)), f"ckpt.{step}.pt")
     if os.path.isfile(path) and not os.path.exists(kept):
+        with contextlib.suppress(Damaged):
+            saves = read_record(path)
+            if saves is not None:
+                write_record(kept, [save for save in saves if save.get("step") == step] or saves)
         try:
             os.link(path, kept)
         except OSError:
@@ -94,52 +89,10 @@ def keep_previous(path, step):
 
 
 def remove_stale_kept(out_dir, keep):
-    """Delete the ckpt.<step>.pt files beyond the newest keep - 1 (ckpt.pt is the newest)."""
+    """Delete the ckpt.<step>.pt files (and their digest records) beyond the newest keep - 1
+    (ckpt.pt is the newest)."""
     names = sorted((m for m in map(KEPT_FILE.fullmatch, os.listdir(out_dir)) if m), key=lambda m: int(m[1]))
     for m in names[:max(len(names) - (keep - 1), 0)]:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(out_dir, m[0]))
-
-
-def remove_stale_temp_files(path):
-    """Delete the temporary files that save_checkpoint(path, ...) left when its process died
-    mid-save (kill -9, out of memory, a lost node); each is as large as a checkpoint. A file
-    whose exclusive flock can be taken has no live writer; one still locked is kept. Returns
-    (number of files removed, bytes freed)."""
-    directory = os.path.dirname(os.path.abspath(path))
-    pattern = re.compile(re.escape(os.path.basename(path)) + r"\.\w+\.tmp")
-    removed, freed = 0, 0
-    names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
-    for name in names:
-        tmp_path = os.path.join(directory, name)
-        if not pattern.fullmatch(name) or not os.path.isfile(tmp_path):
-            continue
-        try:
-            f = open(tmp_path, "rb")
-        except OSError:
-            continue  # gone already, or not ours to read
-        with f:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # a live writer holds it
-            size = os.fstat(f.fileno()).st_size
+        for path in (os.path.join(out_dir, m[0]), record_path(os.path.join(out_dir, m[0]))):
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp_path)
-                removed, freed = removed + 1, freed + size
-    return removed, freed
-
-
-def load_checkpoint(path, required=REQUIRED_KEYS):
-    """Load a train.py checkpoint onto the CPU; raises CheckpointError with one line."""
-    if not os.path.isfile(path):
-        raise CheckpointError(f"checkpoint not found: {path}")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises many types for damaged files; all mean the same here
-        reason = str(e).strip().split(". ")[0].splitlines()[0][:120] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{path} is truncated, corrupt or not a checkpoint ({reason})") from None
-    missing = [k for k in required if not isinstance(ckpt, dict) or k not in ckpt]
-    if missing:
-        raise CheckpointError(f"{path} is not a train.py checkpoint (missing {', '.join(missing)})")
-    return ckpt
+                os.unlink(path)

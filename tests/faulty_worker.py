@@ -1,6 +1,7 @@
 """train.py with a fault, for tests: run under torchrun in place of train.py, with the same
 arguments. On torchrun's first launch (TORCHELASTIC_RESTART_COUNT=0) in a batch job's first start
-(SLURM_RESTART_COUNT unset or 0), just before optimizer step FAULT_BEFORE_STEP, the rank FAULT_RANK
+(SLURM_RESTART_COUNT unset or 0), a run from scratch in every test that uses it (so the n-th step this
+process takes is step n), just before optimizer step FAULT_BEFORE_STEP, the rank FAULT_RANK
 kills itself with SIGKILL (FAULT=sigkill: an out-of-memory kill, a lost node), sends SIGTERM to
 torchrun (FAULT=sigterm_launcher: what a scheduler does before a time limit), or waits until the
 file HOLD_UNTIL exists (FAULT=hold: the step in flight when a test's stop request comes, at most 60
@@ -18,10 +19,13 @@ FAULT = os.environ["FAULT"]
 FAULT_RANK = int(os.environ["FAULT_RANK"])
 FAULT_BEFORE_STEP = int(os.environ["FAULT_BEFORE_STEP"])
 real_train_step = train.train_step
+steps_taken = 0
 
 
-def train_step_with_fault(train_model, state, *args):
-    if state.step + 1 == FAULT_BEFORE_STEP and int(os.environ["RANK"]) == FAULT_RANK:
+def train_step_with_fault(*args):
+    global steps_taken
+    steps_taken += 1
+    if steps_taken == FAULT_BEFORE_STEP and int(os.environ["RANK"]) == FAULT_RANK:
         if FAULT == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif FAULT == "sigterm_launcher":
@@ -29,7 +33,7 @@ def train_step_with_fault(train_model, state, *args):
         elif FAULT == "hold":
             open(os.environ["HOLD_UNTIL"] + ".held", "w").close()
             wait_for_file(os.environ["HOLD_UNTIL"])
-    return real_train_step(train_model, state, *args)
+    return real_train_step(*args)
 
 
 def term_launcher_and_wait():

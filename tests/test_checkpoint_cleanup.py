@@ -22,7 +22,7 @@ from config import REPO_DIR
 STALLED_WRITER = textwrap.dedent("""
     import sys, time
     import torch
-    from checkpoint import single_file
+    from checkpoint import files
 
     def stalled_save(obj, f):
         f.write(b"x" * 3_000_000)
@@ -31,7 +31,7 @@ STALLED_WRITER = textwrap.dedent("""
         time.sleep(600)
 
     torch.save = stalled_save
-    single_file.save_checkpoint(sys.argv[1], {"step": 1})
+    files.save_checkpoint(sys.argv[1], {"step": 1})
 """)
 
 
@@ -92,7 +92,7 @@ def test_a_save_leaves_no_temp_file_and_holds_its_lock_while_writing(tmp_path, m
     monkeypatch.setattr(torch, "save", save_and_check)
     save_checkpoint(ckpt_path, {"step": 3})
     assert seen == [(0, 0)]
-    assert os.listdir(tmp_path) == ["ckpt.pt"]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt", "ckpt.pt.digest.json"]
 
 
 def test_train_removes_stale_temp_files_at_start_and_says_so(tmp_path, capsys):
@@ -137,16 +137,18 @@ def test_a_writer_whose_fresh_temp_file_a_cleaner_deleted_takes_another(tmp_path
     save_checkpoint(str(tmp_path / "ckpt.pt"), {"step": 5})
     assert len(calls) == 2 and not os.path.exists(calls[0])
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 5
-    assert os.listdir(tmp_path) == ["ckpt.pt"]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt", "ckpt.pt.digest.json"]
 
 
 def test_keep_checkpoints_keeps_the_newest_files_beside_ckpt_pt(data_dir, tmp_path):
     """Saves at steps 0, 2, 4 and 6 with --keep_checkpoints=2: ckpt.pt holds step 6, ckpt.4.pt step 4
-    (the file that was ckpt.pt, under a second name), and nothing older stays."""
+    (the file that was ckpt.pt, under a second name), each with its digest record, and nothing older
+    stays."""
     from test_train import tiny_args
     out = tmp_path / "run"
     train.main(tiny_args(data_dir, out, n_layer=1, n_embd=32, max_iters=6, eval_interval=2, keep_checkpoints=2))
-    assert sorted(p.name for p in out.glob("ckpt*")) == ["ckpt.4.pt", "ckpt.pt"]
+    assert sorted(p.name for p in out.glob("ckpt*")) == ["ckpt.4.pt", "ckpt.4.pt.digest.json", "ckpt.pt",
+                                                         "ckpt.pt.digest.json"]
     assert load_checkpoint(str(out / "ckpt.pt"))["step"] == 6 and load_checkpoint(str(out / "ckpt.4.pt"))["step"] == 4
 
 

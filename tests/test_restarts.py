@@ -13,10 +13,11 @@ import pytest
 
 import checkpoint
 import train
-from checkpoint import load_checkpoint, save_failure_line, single_file
+from checkpoint import files, load_checkpoint, save_failure_line
 from config import REPO_DIR, load_config
 from conftest import (assert_one_error_line, assert_uninterrupted, kill_process_tree, read_all_metrics_lines,
                       run_args, snapshot, temp_files, trajectory)
+from model import GPT, GPT2_PADDED_VOCAB
 from test_train import read_all_metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -39,12 +40,13 @@ def test_auto_on_an_empty_folder_is_a_start_from_scratch(data_dir, tmp_path, ref
 @pytest.mark.slow
 def test_auto_on_a_cut_run_continues_the_exact_trajectory(data_dir, tmp_path, reference, capsys, monkeypatch):
     out = tmp_path / "run"
-    real_step = train.train_step
+    real_step, steps = train.train_step, []
 
-    def crash_before_step_6(train_model, state, *args):
-        if state.step + 1 == 6:
+    def crash_before_step_6(*args):
+        steps.append(1)  # a run from scratch: the n-th call is step n
+        if len(steps) == 6:
             raise KeyboardInterrupt  # the process dies mid-run: no save, no `done`
-        return real_step(train_model, state, *args)
+        return real_step(*args)
 
     monkeypatch.setattr(train, "train_step", crash_before_step_6)
     with pytest.raises(KeyboardInterrupt):
@@ -84,12 +86,13 @@ def test_a_stop_request_saves_the_step_exits_0_and_the_run_continues_the_exact_t
     """The file `stop` in the run folder, made during step 5 (the last checkpoint: step 4's): the run
     saves step 5 and returns 0, so that torchrun restarts nothing; the request is used up."""
     out = tmp_path / "run"
-    real_step = train.train_step
+    real_step, steps = train.train_step, []
 
-    def request_during_step_5(train_model, state, *args):
-        if state.step + 1 == 5:
+    def request_during_step_5(*args):
+        steps.append(1)
+        if len(steps) == 5:
             (out / "stop").touch()
-        return real_step(train_model, state, *args)
+        return real_step(*args)
 
     monkeypatch.setattr(train, "train_step", request_during_step_5)
     train.main(run_args(data_dir, out))  # returns: exit status 0
@@ -178,15 +181,20 @@ def test_a_failed_save_is_one_line_that_says_why_and_what_is_kept(tmp_path):
         (RuntimeError("something else\nmore"), "failed: RuntimeError: something else;"),
     ]
     for error, why in cases:
-        line = save_failure_line(error, path, 6, 4)
+        line = save_failure_line(error, path, 6, (path, 4))
         assert line.startswith(f"saving the checkpoint of step 6 to {path} failed: ") and why in line, line
-        assert line.endswith(f"{path} keeps the checkpoint of step 4; continue from it with --init_from=auto")
-        assert "\n" not in line
+        assert f"; {path} keeps the checkpoint of step 4; " in line
+        assert line.endswith("continue from it with --init_from=auto") and "\n" not in line
+    fixes = [save_failure_line(error, path, 6, (path, 4)) for error, _ in cases]
+    assert f"free space in {tmp_path}, then continue" in fixes[0] and f"make {tmp_path} writable, then" in fixes[2]
+    kept = str(tmp_path / "ckpt.4.pt")  # a resume from a kept checkpoint, before its first save
+    checkpoint.save_checkpoint(kept, {"step": 4})
+    assert f"{kept} keeps the checkpoint of step 4" in save_failure_line(torch_full, path, 6, (kept, 4))
     assert save_failure_line(torch_full, str(tmp_path / "none.pt"), 0, None).endswith(
         f"no checkpoint is kept in {tmp_path}")
     gone = tmp_path / "gone" / "ckpt.pt"
     assert f"the folder {tmp_path / 'gone'} no longer exists" in save_failure_line(
-        FileNotFoundError(errno.ENOENT, "No such file or directory"), str(gone), 6, 4)
+        FileNotFoundError(errno.ENOENT, "No such file or directory"), str(gone), 6, (str(gone), 4))
 
 
 @pytest.fixture
@@ -243,7 +251,7 @@ def test_a_full_disk_warns_ahead_then_fails_the_save_in_one_line_and_keeps_the_l
 def fail_second_save(monkeypatch, fault, folder):
     """Let the first save_checkpoint through; in the second, once torch's writer has written 4 KB
     into the temporary file, call fault(folder) from inside its next write."""
-    real_temp_file, calls = single_file._locked_temp_file, []
+    real_temp_file, calls = files._locked_temp_file, []
 
     class FaultyFile:
         def __init__(self, f):
@@ -269,7 +277,7 @@ def fail_second_save(monkeypatch, fault, folder):
         calls.append(tmp_path)
         return (FaultyFile(f) if len(calls) == 2 else f), tmp_path
 
-    monkeypatch.setattr(single_file, "_locked_temp_file", temp_file)
+    monkeypatch.setattr(files, "_locked_temp_file", temp_file)
 
 
 def disk_full(folder):
@@ -315,14 +323,15 @@ def test_a_folder_that_vanishes_during_a_save_is_one_line(data_dir, tmp_path, mo
 
 
 def test_checkpoint_cost_measures_a_save_with_adamws_full_state(tmp_path, capsys):
-    """benchmarks/checkpoint_cost.py, which made docs/training.md's table: a row per size whose file
-    holds the weights and AdamW's two moments (12 bytes per parameter in fp32), and no file left."""
+    """benchmarks/checkpoint_cost.py, which made docs/training.md's tables: a row per size whose file
+    holds the weights and AdamW's two moments (12 bytes per parameter in fp32), the digests' cost
+    per GB, and no file left."""
     from benchmarks.checkpoint_cost import main
     main(["--sizes", "tiny", "--repeats", "1", "--residual", "res", "--out_dir", str(tmp_path)])
     row = capsys.readouterr().out.splitlines()[-1]
-    size, params, gigabytes, save_s, load_s = (cell.strip() for cell in row.strip("|").split("|"))
-    model = train.GPT(train.build_model_config(load_config(["--size=tiny", "--residual=res"]), train.GPT2_PADDED_VOCAB))
+    size, params, gigabytes, save_s, load_s, hash_s, verify_s = (cell.strip() for cell in row.strip("|").split("|"))
+    model = GPT(train.build_model_config(load_config(["--size=tiny", "--residual=res"]), GPT2_PADDED_VOCAB))
     n_params = sum(p.numel() for p in model.parameters())
     assert size == "tiny" and params == f"{n_params / 1e6:.0f}M"
     assert 12 * n_params / 1e9 - 0.01 <= float(gigabytes.split()[0]) <= 12 * n_params / 1e9 + 0.01
-    assert float(save_s) > 0 and float(load_s) > 0 and os.listdir(tmp_path) == []
+    assert all(float(seconds) > 0 for seconds in (save_s, load_s, hash_s, verify_s)) and os.listdir(tmp_path) == []

@@ -1,22 +1,28 @@
 """One writer per run folder (checkpoint/owner.py): a second start on the folder of a live run is refused
 and the live run ends exactly as an uninterrupted one; an owner that is gone (SIGKILLed here, or
-silent for long on another host) is taken over with a note; the starts of one job (torchrun's
-restarts: test_restarts.py; SLURM's requeues: test_slurm.py and below) continue the run."""
+silent for long on another host) is taken over with a note, and so is a record that names no owner,
+without a traceback or a hang; of starts released at once onto a gone owner, exactly one goes on;
+the starts of one job (torchrun's restarts: test_restarts.py; SLURM's requeues: test_slurm.py and
+below) continue the run; a folder that cannot be written is one line that names the fix."""
 import json
+import multiprocessing
 import os
 import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
+import types
 from pathlib import Path
 
 import pytest
 
 from checkpoint import owner as run_owner
 import train
+from checkpoint import CheckpointError
 from config import REPO_DIR
-from conftest import assert_one_error_line, assert_uninterrupted, run_args
+from conftest import assert_one_error_line, assert_uninterrupted, one_error_line, run_args
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -133,3 +139,86 @@ def test_a_start_that_fails_leaves_no_folder_behind(tmp_path, capsys):
         train.main(run_args(tmp_path / "no-data", out))
     capsys.readouterr()
     assert not out.exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# Records that are no owner record, starts released at once, folders that cannot be written
+
+CLAIM = textwrap.dedent("""
+    import sys, types
+    from checkpoint import RunOwner
+    with RunOwner(sys.argv[1], types.SimpleNamespace(master=True, distributed=False)):
+        print("claimed", flush=True)
+""")
+
+
+@pytest.mark.parametrize("record", ["{}", "[1, 2]", "null", "\x00garbage{", ""],
+                         ids=["empty object", "list", "null", "garbage", "empty file"])
+def test_a_record_that_names_no_owner_is_taken_over_with_a_note(tmp_path, record):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / run_owner.OWNER_FILE).write_text(record)
+    proc = subprocess.run([sys.executable, "-c", CLAIM, str(out)], cwd=REPO_DIR, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stdout == (f"note: taking over {out} from an unreadable owner record: its record names no process "
+                           f"(a write cut short, or not an owner record)\nclaimed\n")
+    assert os.listdir(out) == []  # given up at the end
+
+
+def claim_at_the_barrier(out, barrier, results, release):
+    """One start: claim out once every start is at the barrier; report, then hold a won claim until released."""
+    barrier.wait()
+    try:
+        world = types.SimpleNamespace(master=True, distributed=False)
+        owner = run_owner.RunOwner(str(out), world, log=lambda line: None).__enter__()
+    except CheckpointError as e:
+        results.put(("refused", str(e)))
+        return
+    results.put(("claimed", os.getpid()))
+    release.wait()
+    owner.__exit__(None, None, None)
+
+
+def test_of_starts_released_at_once_onto_a_gone_owner_exactly_one_goes_on(tmp_path):
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # its pid names no process now
+    out, context, starts = tmp_path / "run", multiprocessing.get_context("fork"), 4
+    for _ in range(50):  # the takeover without its lock let two starts on in 1 of about 10 rounds
+        write_owner(out, socket.gethostname(), age_s=0, pid=gone.pid)
+        barrier, results, release = context.Barrier(starts), context.Queue(), context.Event()
+        procs = [context.Process(target=claim_at_the_barrier, args=(out, barrier, results, release))
+                 for _ in range(starts)]
+        for proc in procs:
+            proc.start()
+        outcomes = sorted(results.get(timeout=60) for _ in procs)
+        release.set()
+        for proc in procs:
+            proc.join(timeout=60)
+        (winner,) = [pid for outcome, pid in outcomes if outcome == "claimed"]
+        assert [outcome for outcome, _ in outcomes].count("refused") == starts - 1
+        for _, line in outcomes[1:]:
+            assert f"{out} is being written by a live run: pid {winner} on {socket.gethostname()}" in line
+        assert not (out / run_owner.OWNER_FILE).exists()
+
+
+def test_an_out_dir_that_is_a_file_is_one_line_with_the_fix(data_dir, tmp_path, capsys):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    one_error_line(train.main, run_args(data_dir, notes), capsys,
+                   f"--out_dir={notes} is a file, not a folder: pick another --out_dir")
+    assert notes.read_text() == "mine"
+
+
+def test_an_out_dir_on_a_read_only_disk_is_one_line_with_the_fix(data_dir, tmp_path, capsys):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip("a read-only disk needs a tmpfs, which this machine cannot mount here")
+    try:
+        one_error_line(train.main, run_args(data_dir, disk / "run"), capsys,
+                       f"cannot write {disk / 'run'}: {disk} is on a read-only filesystem; pick an --out_dir on a "
+                       f"writable disk")
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=True)

@@ -10,7 +10,6 @@ import torch
 
 import sample
 import train
-from checkpoint import load_model
 from config import REPO_DIR
 from test_train import tiny_args
 
@@ -73,7 +72,7 @@ def test_top_k_1_is_greedy_decoding_also_past_the_block_size(run_dirs, variant):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_the_model_sees_only_the_tokens_so_far(run_dirs, variant):
-    model, _ = load_model(str(run_dirs[variant] / "ckpt.pt"))
+    model, _ = sample.load_model(str(run_dirs[variant] / "ckpt.pt"))
     tokens = torch.randint(0, model.config.vocab_size, (2, BLOCK), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         full, _ = model(tokens, torch.zeros_like(tokens))

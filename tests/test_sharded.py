@@ -28,13 +28,15 @@ import export_hf
 import sample
 import train
 from analysis.collect import collect
-from checkpoint import CheckpointError, CheckpointManager, SaveError, TrainState, load_model
+from checkpoint import (CheckpointError, CheckpointManager, ModelState, OptimizerState, RNGState, SaveError, TrainState,
+                        files)
 from config import REPO_DIR, load_config
 from conftest import assert_one_error_line, one_error_line, randomise
 from devices import World
 from model import GPT, GPTConfig
-from parallelize import apply_fsdp
+from parallelize import apply_fsdp, apply_fused_connections
 from residuals import capture_connections
+from sample import load_model
 from test_hf_export import load_export
 from test_train import read_metrics, tiny_args
 
@@ -164,7 +166,7 @@ def test_sample_export_and_collector_read_a_sharded_checkpoint(runs, data_dir, t
     sharded_run = runs["mhclite"][1]
     single = tmp_path / "single"
     single.mkdir()
-    checkpoint.main([str(sharded_run / "ckpt.dcp"), str(single / "ckpt.pt")])  # the documented conversion
+    checkpoint.main(["convert", str(sharded_run / "ckpt.dcp"), str(single / "ckpt.pt")])  # the documented conversion
     from_folder, meta = sample.load(str(sharded_run))
     from_file, _ = load_model(str(single / "ckpt.pt"))
     for key, value in from_file.state_dict().items():
@@ -240,14 +242,14 @@ def test_fused_connections_shard_with_their_block(process_group, monkeypatch):
     if not fused.TRITON_AVAILABLE or os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the fused kernels run on CPU in Triton's interpreter only")
     monkeypatch.setattr(fused, "INTERPRET_ON_CPU", True)
-    config = GPTConfig(block_size=8, vocab_size=40, n_layer=1, n_head=2, n_embd=32, residual="mhclite",
-                       fused_connections=True)
+    config = GPTConfig(block_size=8, vocab_size=40, n_layer=1, n_head=2, n_embd=32, residual="mhclite")
     torch.manual_seed(0)
     plain = randomise(GPT(config), 0.1)
     sharded = GPT(config)
     sharded.load_state_dict(plain.state_dict())
+    for model in (plain, sharded):
+        assert apply_fused_connections(model, torch.device("cpu"))["path"] == "fused"
     apply_fsdp(sharded)
-    assert sharded.connection_path(torch.device("cpu"))["path"] == "fused"
     tokens = torch.randint(0, 40, (2, 8), generator=torch.Generator().manual_seed(1))
     losses = []
     for model in (plain, sharded):
@@ -268,13 +270,15 @@ def test_a_failed_or_killed_save_keeps_the_previous_checkpoint(process_group, tm
     optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu")
     link = str(tmp_path / "ckpt.dcp")
     cfg = load_config(["--residual=hc", "--parallel=fsdp", f"--out_dir={tmp_path}"])
-    world = World(ddp=True, rank=0, size=1, device=torch.device("cpu"), sharded=True)
+    world = World(distributed=True, rank=0, size=1, device=torch.device("cpu"), sharded=True)
     manager = CheckpointManager(cfg, world, log=lambda line: None)
-    state = TrainState(model, optimizer, torch.Generator())
+    state = TrainState(torch.Generator())
+    manager.restore(dict(model=ModelState(model), optimizer=OptimizerState(model, optimizer), train=state,
+                         rng=RNGState(world)), None)
 
     def save(step):
         state.step = step
-        manager.save(state, stopping=True)  # a stop's save: complete on return
+        manager.save(stopping=True)  # a stop's save: complete on return
 
     save(1)
     saved = {k: v.clone() for k, v in load_model(link)[0].state_dict().items()}
@@ -362,6 +366,10 @@ def test_a_pickle_planted_in_the_metadata_does_not_run(runs, tmp_path):
     assert marker.exists()
     marker.unlink()
     (folder / ".metadata").write_bytes(planted)
+    with pytest.raises(CheckpointError, match="damaged"):  # its digest says so first
+        load_model(str(folder))
+    size, digest = files.file_digest(folder / ".metadata")
+    files.write_record(folder / ".metadata", [dict(step=10, bytes=size, sha256=digest)])  # a planter can redo it
     with pytest.raises(CheckpointError, match="corrupt"):
         load_model(str(folder))
     assert not marker.exists()
@@ -379,10 +387,10 @@ def test_missing_or_damaged_sharded_checkpoints_are_one_line(runs, data_dir, tmp
     for shard in (damaged / "ckpt.dcp").glob("*.distcp"):
         shard.write_bytes(shard.read_bytes()[:100])
     line = one_error_line(sample.main, ["--out_dir", str(damaged)], capsys)
-    assert "truncated, corrupt" in line
+    assert ".distcp is damaged: truncated to 100 of " in line
     (damaged / "ckpt.dcp" / ".metadata").unlink()
     assert "no .metadata" in one_error_line(sample.main, ["--out_dir", str(damaged)], capsys)
-    line = one_error_line(checkpoint.main, [str(damaged / "ckpt.dcp"), str(tmp_path / "ckpt.pt")], capsys)
+    line = one_error_line(checkpoint.main, ["convert", str(damaged / "ckpt.dcp"), str(tmp_path / "ckpt.pt")], capsys)
     assert "no .metadata" in line
 
 
@@ -405,7 +413,7 @@ def test_a_sharded_save_writes_while_training_goes_on(runs, data_dir, tmp_path, 
     one-process run does, every checkpoint complete; with DCP's stager kept from save to save, and
     with a new one per save, as torch versions whose stager closes itself after one save need."""
     if stager == "one per save":
-        monkeypatch.setattr(checkpoint.manager, "STAGER_REUSE_TORCH", (99,))
+        monkeypatch.setattr(checkpoint.sharded, "STAGER_REUSE_TORCH", (99,))
     stepped, overlapped = threading.Event(), []
     real_write, real_step = dcp.FileSystemWriter.write_data, train.train_step
 
@@ -448,6 +456,42 @@ def test_a_sharded_run_copied_without_its_links_continues_and_saves(runs, data_d
     assert sorted(p.name for p in copy.glob("ckpt.dcp*")) == ["ckpt.dcp", "ckpt.dcp.12"]
     assert checkpoint.load_sharded_run(str(copy / "ckpt.dcp"))["step"] == 12
     assert [r["step"] for r in read_metrics(copy)[0]] == list(range(1, 13))
+
+
+def steps_of(out):
+    """Every train and eval record of a run, without its timings."""
+    train_records, eval_records = read_metrics(out)
+    return ([(r["step"], r["lr"], r["train_loss"], r["grad_norm"]) for r in train_records],
+            [(r["step"], r["eval_train_loss"], r["val_loss"]) for r in eval_records])
+
+
+@pytest.mark.slow
+def test_a_flipped_bit_in_a_shard_falls_back_to_the_kept_checkpoint_and_the_same_steps(runs, data_dir, tmp_path):
+    """The two-process run continued by two processes to step 12, keeping ckpt.dcp.10 beside
+    ckpt.dcp.12; a bit flipped in rank 1's shard of step 12: the next start finds it damaged by its
+    digest, sets it aside, resumes from step 10, and trains steps 11 and 12 to the same floats."""
+    out = tmp_path / "run"
+    shutil.copytree(runs["res"][1], out, symlinks=True)
+    settings = dict(residual="res", init_from="auto", keep_checkpoints=2, max_iters=12, eval_interval=6)
+    assert torchrun(2, data_dir, out, **settings).returncode == 0
+    uninterrupted = steps_of(out)
+    (out / "done").unlink()
+    shard = out / "ckpt.dcp.12" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+    proc = torchrun(2, data_dir, out, **settings)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    notes = [line for line in proc.stdout.splitlines() if line.startswith("note:")]
+    assert notes[0] == (f"note: {out / 'ckpt.dcp' / shard.name} is damaged: its bytes differ from those its save of "
+                        f"step 12 wrote (SHA-256 mismatch); skipping it (step 12)")
+    assert notes[1] == (f"note: resuming from {out / 'ckpt.dcp.10'} (step 10), the newest checkpoint in {out} that "
+                        f"loads and verifies")
+    assert notes[2] == f"note: set {out / 'ckpt.dcp'} aside as {out / 'ckpt.dcp.12.damaged'}"
+    assert (out / "ckpt.dcp.12.damaged" / "__1_0.distcp").read_bytes() == data
+    assert "resuming at step 10 of 12" in proc.stdout and steps_of(out) == uninterrupted
+    assert sorted(p.name for p in out.glob("ckpt.dcp*")) == ["ckpt.dcp", "ckpt.dcp.10", "ckpt.dcp.12",
+                                                             "ckpt.dcp.12.damaged"]
 
 
 @pytest.mark.slow
