@@ -65,6 +65,8 @@ def decayed(connection) -> list:
         return [(connection.proj.weight, None), (connection.bias_pre, None), (connection.bias_res, None)]
     if connection.name == "mhclite":  # its static_alpha is 1-D: the projections only, as ours
         return [(connection.proj.weight, None)]
+    if connection.name in ("kromhc", "ihc"):  # KromHC's code has mhclite's layout; ihc: the rule on ours
+        return [(connection.proj.weight, None)]
     return []
 
 

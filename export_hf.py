@@ -4,8 +4,9 @@
     python export_hf.py --out_dir=out/demo/mhclite --export_dir=exports/demo-mhclite --force
 
 The folder holds config.json, model.safetensors (fp32 weights; mhclite's permutation sets are the
-`perms` buffers), the run's tokenizer (GPT-2 BPE from the offline files, or the run's characters)
-and our modeling code: hf/*.py with residuals.py and authors.py beside it, so it is self-contained. It loads with
+`perms` buffers; kromhc's are derived from n), the run's tokenizer (GPT-2 BPE from the offline files,
+or the run's characters) and our modeling code: hf/*.py with residuals.py and authors.py beside it, so
+it is self-contained. It loads with
 AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True) and
 AutoTokenizer.from_pretrained(folder); lm-evaluation-harness runs it as `--model hf`. A folder
 that exists and is not empty is an error, unless it holds an earlier export and --force is given

@@ -1,4 +1,4 @@
-"""GPT (nanoGPT) whose residual connections are switchable: res, hc, mhc or mhclite.
+"""GPT (nanoGPT) whose residual connections are switchable: res, hc, mhc, mhclite, kromhc or ihc.
 
 The residual state is (B, T, n, C): the embedding is copied into n streams, every attention and
 every MLP sublayer is wrapped by its own connection from residuals.py (2L wrappers), and the
@@ -102,13 +102,16 @@ STREAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 class Architecture:
     """What the model is: its residual connection and its shape (the Hugging Face export keeps these)."""
     residual: str = setting("res", "the residual connection", choices=tuple(RESIDUALS))
-    n_streams: int = setting(4, "residual streams n of hc, mhc and mhclite (res has 1)", **at_least(1))
+    n_streams: int = setting(4, "residual streams n of the HC family (res has 1; kromhc: prime factors <= 5)",
+                             **at_least(1))
     mhclite_perms: int | None = setting(None, "mhclite: permutations K in H_res; None: all n! (n <= 5)",
                                         **at_least(1, " (or None: all n! permutations)"))
     mhclite_perm_sampling: str = setting("uniform", "mhclite: how K < n! permutations are drawn (cover: the n "
                                          "shifts first)", choices=PERM_SAMPLINGS)
     perm_seed: int = setting(0, "mhclite: seed of the permutation draw")
     sinkhorn_iters: int = setting(20, "mhc: Sinkhorn-Knopp iterations", **at_least(1))
+    mhc_eps: float = setting(0.0, "mhc: DeepSeek-V4's epsilon (its hc_eps: 1e-6), added to h_pre and floored into "
+                             "its Sinkhorn; 0: the paper's", **at_least(0))
     block_size: int = setting(1024, "context length in tokens", **at_least(1))
     n_layer: int | None = setting(None, "transformer blocks; None: the size's", **at_least(1))
     n_head: int | None = setting(None, "attention heads; None: the size's", **at_least(1))
@@ -175,7 +178,10 @@ class GPTConfig(ModelSettings):
 def connection_options(config: GPTConfig) -> dict:
     """The variant-specific constructor arguments of residuals.py's connection modules."""
     if config.residual == "mhc":
-        return dict(sinkhorn_iters=config.sinkhorn_iters)
+        if config.mhc_eps and {"sinkhorn_order", "mixing_dtype"} & authors.arithmetic(config).keys():
+            raise ValueError("mhc_eps (DeepSeek-V4's arithmetic) does not combine with the authors' sinkhorn_order "
+                             "or mixing_dtype")
+        return dict(sinkhorn_iters=config.sinkhorn_iters, mhc_eps=config.mhc_eps)
     if config.residual == "mhclite":
         return dict(num_perms=config.mhclite_perms, perm_sampling=config.mhclite_perm_sampling,
                     perm_seed=config.perm_seed)

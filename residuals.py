@@ -1,4 +1,5 @@
-"""The paper's residual connections for a pre-norm transformer: res, hc, mhc and mhclite (RESIDUALS).
+"""The residual connections of the HC family for a pre-norm transformer (RESIDUALS): the paper's res,
+hc, mhc and mhclite, and the field's kromhc (KromHC) and ihc (mHC's identity-H_res ablation).
 
 A connection wraps one sublayer f: `Connection(width, n_streams, wrapper_index)(x, f)`, with the
 residual state x of shape (B, T, n, C) and f mapping (B, T, C) -> (B, T, C). Per token, the HC
@@ -43,6 +44,20 @@ def sinkhorn(logits: torch.Tensor, iters: int = 20) -> torch.Tensor:
         log_p = log_p - torch.logsumexp(log_p, dim=-2, keepdim=True)
         log_p = log_p - torch.logsumexp(log_p, dim=-1, keepdim=True)
     return log_p.exp()
+
+
+def sinkhorn_floored(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Sinkhorn-Knopp as DeepSeek-V4's code and its ports compute it (hc_split_sinkhorn), on our layout:
+    a softmax over every column plus eps, then rows and columns in turn divided by their sum plus eps,
+    rows first and last: the same 2 * iters normalisations as `sinkhorn`, which it equals for eps = 0 up
+    to rounding. Once the logits spread wide, the floor moves h_res far from `sinkhorn`'s: entries that
+    exp(logits) makes vanishingly small stay at about eps. fp32 (or float64), as `sinkhorn`."""
+    h = torch.softmax(at_least_fp32(logits), dim=-2) + eps
+    h = h / (h.sum(-1, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        h = h / (h.sum(-2, keepdim=True) + eps)
+        h = h / (h.sum(-1, keepdim=True) + eps)
+    return h
 
 
 PERM_SAMPLINGS = ("uniform", "cover")
@@ -98,6 +113,31 @@ def permutation_matrices(perms: torch.Tensor) -> torch.Tensor:
     return F.one_hot(perms, perms.shape[-1]).float()
 
 
+KRONECKER_FACTOR_LIMIT = 5  # a factor p uses all its p! permutations, as mhclite does for n <= 5
+
+
+def kronecker_factors(n: int) -> list[int]:
+    """kromhc's factors of n: its prime factors, 2s first, in ascending order (n = 12: [2, 2, 3])."""
+    if n < 2:
+        raise ValueError(f"kromhc needs n_streams >= 2 (a Kronecker product of at least one factor), got {n}")
+    factors, rest, p = [], n, 2
+    while rest > 1:
+        while rest % p == 0:
+            factors.append(p)
+            rest //= p
+        p += 1
+    if factors[-1] > KRONECKER_FACTOR_LIMIT:
+        raise ValueError(f"kromhc needs n_streams whose prime factors are at most {KRONECKER_FACTOR_LIMIT} (each "
+                         f"factor p mixes all p! permutations), got {n} = {' x '.join(map(str, factors))}")
+    return factors
+
+
+def kronecker(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a ⊗ b over the last two dims, batched: (..., A, A) and (..., B, B) -> (..., A B, A B), entry
+    [i B + k, j B + l] = a[i, j] b[k, l]; elementwise products, no matmul."""
+    return (a[..., :, None, :, None] * b[..., None, :, None, :]).flatten(-2).flatten(-3, -2)
+
+
 def expand_streams(x: torch.Tensor, n_streams: int) -> torch.Tensor:
     """(B, T, C) -> (B, T, n, C): the embedding copied into every stream."""
     x = x.unsqueeze(-2)
@@ -117,7 +157,7 @@ def autocast_matmul_dtype(device_type: str) -> torch.dtype | None:
 
 
 # ----------------------------------------------------------------------------------------------
-# The four variants
+# The variants
 
 
 class Residual(nn.Module):
@@ -140,7 +180,7 @@ class Residual(nn.Module):
 
 
 class StreamConnection(nn.Module):
-    """Shared part of hc, mhc and mhclite: the projection, the pre-aggregation and the mixing.
+    """Shared part of the HC family (every variant but res): the projection, the pre-aggregation and the mixing.
 
     Subclasses define a projection `proj` with its norm gain `norm_gain`, `projection_rows(x)` (the
     rows that are RMS-normalised and projected) and `coefficients_from_projection(p) -> dict` with
@@ -148,7 +188,7 @@ class StreamConnection(nn.Module):
     recording for analysis. `stream_index` is the stream this wrapper reads at init (reset_parameters
     reads it); `recorder` is the list capture_connections() fills, or None. The steps a variation of
     the arithmetic overrides: `projection`, `pre_aggregate`, `pre` (all that comes before the branch)
-    and, in mhc and mhclite, `residual_matrix`.
+    and, in the ManifoldConnectionBase variants, `residual_matrix`.
     Under bf16 autocast only the projection GEMM runs in bf16, the rest in fp32 (so mhclite's h_res
     is doubly stochastic to fp32 rounding); the output keeps the dtype of x.
     """
@@ -260,10 +300,11 @@ class HyperConnection(StreamConnection):
 
 
 class ManifoldConnectionBase(StreamConnection):
-    """Shared part of mhc and mhclite (the paper's sections 2 and 3.2): one RMSNorm over all n*C entries and one
-    fused projection p = [p_pre | p_post | p_res], then
+    """Shared part of mhc, mhclite, kromhc and ihc (the paper's sections 2 and 3.2): one RMSNorm over all
+    n*C entries and one fused projection p = [p_pre | p_post | p_res], then
       h_pre  = sigmoid(s_pre * p_pre + b_pre),   h_post = 2 sigmoid(s_post * p_post + b_post),
-      logits = s_res * p_res + b_res,            which subclasses turn into h_res."""
+      logits = s_res * p_res + b_res,            which subclasses turn into h_res.
+    With res_logits = 0 (ihc) there is no p_res, s_res or b_res."""
 
     def __init__(self, width, n_streams, wrapper_index, res_logits=0):
         super().__init__(width, n_streams, wrapper_index)
@@ -271,12 +312,20 @@ class ManifoldConnectionBase(StreamConnection):
         self.res_logits = res_logits
         self.norm_gain = nn.Parameter(torch.ones(n * width))
         self.proj = nn.Linear(n * width, 2 * n + res_logits, bias=False)
+        # Registered in this order, which state dicts and optimizer states follow.
         self.bias_pre = nn.Parameter(torch.zeros(n))
         self.bias_post = nn.Parameter(torch.zeros(n))
-        self.bias_res = nn.Parameter(torch.zeros(res_logits))
+        if res_logits:
+            self.bias_res = nn.Parameter(torch.zeros(res_logits))
         self.scale_pre = nn.Parameter(torch.tensor(0.01))
         self.scale_post = nn.Parameter(torch.tensor(0.01))
-        self.scale_res = nn.Parameter(torch.tensor(0.01))
+        if res_logits:
+            self.scale_res = nn.Parameter(torch.tensor(0.01))
+
+    def logit_groups(self):
+        """(scale, bias) of each group of p, in its order: pre, post and, with residual logits, res."""
+        groups = [(self.scale_pre, self.bias_pre), (self.scale_post, self.bias_post)]
+        return groups + [(self.scale_res, self.bias_res)] if self.res_logits else groups
 
     @torch.no_grad()
     def reset_parameters(self):
@@ -285,16 +334,15 @@ class ManifoldConnectionBase(StreamConnection):
         for bias in (self.bias_pre, self.bias_post):
             bias.fill_(-1.0)
             bias[self.stream_index] = 1.0
-        for scale in (self.scale_pre, self.scale_post, self.scale_res):
+        for scale, _ in self.logit_groups():
             scale.fill_(0.01)
 
     def projection_rows(self, x):
         return x.flatten(-2)  # one RMSNorm over all n*C entries: (B, T, n*C)
 
     def coefficients_from_projection(self, p):
-        pre, post, res = scaled_groups(p, (self.scale_pre, self.scale_post, self.scale_res),
-                                       (self.bias_pre, self.bias_post, self.bias_res))
-        coeffs = self.residual_matrix(res)
+        pre, post, *res = scaled_groups(p, *zip(*self.logit_groups()))
+        coeffs = self.residual_matrix(*res)
         coeffs["h_pre"] = torch.sigmoid(pre)
         coeffs["h_post"] = 2 * torch.sigmoid(post)
         return coeffs
@@ -304,13 +352,15 @@ class ManifoldHyperConnection(ManifoldConnectionBase):
     """mhc: h_res = Sinkhorn-Knopp(exp(mat(logits))) with a fixed number of iterations.
 
     `sinkhorn_fn` is the Sinkhorn it calls: `sinkhorn`, or the same function compiled once for
-    every connection (parallelize.compile_model sets it)."""
+    every connection (parallelize.compile_model sets it). mhc_eps > 0 computes mhc as DeepSeek-V4's
+    code does (its hc_eps, 1e-6 there): h_pre = sigmoid(...) + mhc_eps and `sinkhorn_floored`."""
 
     name = "mhc"
 
-    def __init__(self, width, n_streams, wrapper_index, sinkhorn_iters: int = 20):
+    def __init__(self, width, n_streams, wrapper_index, sinkhorn_iters: int = 20, mhc_eps: float = 0.0):
         super().__init__(width, n_streams, wrapper_index, res_logits=n_streams * n_streams)
         self.sinkhorn_iters = sinkhorn_iters
+        self.mhc_eps = mhc_eps
         self.sinkhorn_fn = sinkhorn
         self.reset_parameters()
 
@@ -320,8 +370,16 @@ class ManifoldHyperConnection(ManifoldConnectionBase):
         n = self.n_streams
         self.bias_res.copy_(torch.full((n, n), -8.0).fill_diagonal_(0.0).flatten())
 
+    def coefficients_from_projection(self, p):
+        coeffs = super().coefficients_from_projection(p)
+        if self.mhc_eps:
+            coeffs["h_pre"] = coeffs["h_pre"] + self.mhc_eps
+        return coeffs
+
     def residual_matrix(self, logits):
         logits = logits.unflatten(-1, (self.n_streams, self.n_streams))
+        if self.mhc_eps:
+            return {"h_res": sinkhorn_floored(logits, self.sinkhorn_iters, self.mhc_eps), "logits": logits}
         return {"h_res": self.sinkhorn_fn(logits, self.sinkhorn_iters), "logits": logits}
 
 
@@ -364,11 +422,90 @@ class ManifoldHyperConnectionLite(ManifoldConnectionBase):
         self.perm_matrices = permutation_matrices(self.perms).flatten(1)
 
 
+class KroneckerHyperConnection(ManifoldConnectionBase):
+    """kromhc (KromHC, Zhou et al. 2026): h_res = U_1 ⊗ ... ⊗ U_K over the factors p_k of n
+    (`kronecker_factors`), each U_k = sum_r softmax(logits_k)_r P_r over all p_k! permutation matrices
+    of p_k items, identity first.
+
+    Exactly doubly stochastic by construction, as mhclite (a Kronecker product of doubly stochastic
+    matrices is one), from sum_k p_k! logits instead of n!: 2 log2(n) for n a power of 2. For n prime it
+    is mhclite with all n! permutations. At init each factor's identity has bias 0 and its other
+    permutations -8, so h_res starts near the identity.
+    """
+
+    name = "kromhc"
+
+    def __init__(self, width, n_streams, wrapper_index):
+        factors = kronecker_factors(n_streams)
+        super().__init__(width, n_streams, wrapper_index, res_logits=sum(math.factorial(p) for p in factors))
+        self.factors = factors
+        # Derived from n alone, so not saved; one 0/1 matrix set per distinct factor.
+        for p in sorted(set(factors)):
+            self.register_buffer(f"perm_matrices_{p}", permutation_matrices(permutations(p)).flatten(1),
+                                 persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def rebuild_permutation_matrices(self):
+        """The 0/1 matrices again, on the projection's device, for a loader that leaves buffers it does not
+        load unset (transformers)."""
+        for p in set(self.factors):
+            matrices = permutation_matrices(permutations(p)).flatten(1)
+            setattr(self, f"perm_matrices_{p}", matrices.to(self.proj.weight.device))
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        super().reset_parameters()
+        self.bias_res.fill_(-8.0)
+        start = 0
+        for p in self.factors:
+            self.bias_res[start] = 0.0  # each factor's identity permutation comes first
+            start += math.factorial(p)
+
+    def residual_matrix(self, logits):
+        weights = [torch.softmax(part, dim=-1) for part in logits.split([math.factorial(p) for p in self.factors], -1)]
+        h_res = None
+        for p, factor_weights in zip(self.factors, weights):
+            # Exact 0/1 products and fp32 sums, as mhclite's; the Kronecker products are elementwise.
+            factor = (factor_weights.unsqueeze(-1) * getattr(self, f"perm_matrices_{p}")).sum(-2).unflatten(-1, (p, p))
+            h_res = factor if h_res is None else kronecker(h_res, factor)
+        return {"h_res": h_res, "factor_weights": torch.cat(weights, dim=-1)}
+
+
+class IdentityHyperConnection(ManifoldConnectionBase):
+    """ihc: h_res = I, the identity-H_res ablation of DeepSeek's mHC paper: h_pre and h_post as in mhc,
+    no residual logits, the streams never mixed with each other."""
+
+    name = "ihc"
+
+    def __init__(self, width, n_streams, wrapper_index):
+        super().__init__(width, n_streams, wrapper_index)
+        self.reset_parameters()
+
+    def residual_matrix(self):
+        return {}
+
+    def coefficients_from_projection(self, p):
+        coeffs = super().coefficients_from_projection(p)
+        # Recorded for analysis as every variant's h_res is; the mixing itself skips it.
+        coeffs["h_res"] = torch.eye(self.n_streams, dtype=p.dtype, device=p.device).expand(*p.shape[:-1], -1, -1)
+        return coeffs
+
+    def pre_aggregate(self, h_pre, h_res, x):
+        return mix_streams(h_pre.unsqueeze(-2), x).squeeze(-2), x
+
+    def mixing_flops_per_token(self) -> int:
+        """norm 2nC, pre-aggregation 2nC, post scale and add 2nC: no h_res mixing."""
+        return 6 * self.n_streams * self.width
+
+
 RESIDUALS = {
     "res": Residual,
     "hc": HyperConnection,
     "mhc": ManifoldHyperConnection,
     "mhclite": ManifoldHyperConnectionLite,
+    "kromhc": KroneckerHyperConnection,
+    "ihc": IdentityHyperConnection,
 }
 
 
@@ -483,7 +620,8 @@ def capture_connections(module: nn.Module):
     Yields a list that receives one dict per connection call, in forward order, with
     "wrapper" (index over the 2L wrappers), "residual" (name), "h_res" (B, T, n, n) with
     x_next[i] = sum_j h_res[i, j] x[j], "h_pre" and "h_post" (B, T, n), and for mhc "logits"
-    (B, T, n, n), the Sinkhorn input's logarithm, and for mhclite "perm_weights" (B, T, K).
+    (B, T, n, n), the Sinkhorn input's logarithm, for mhclite "perm_weights" (B, T, K) and for
+    kromhc "factor_weights" (B, T, sum_k p_k!), every factor's softmax weights in factor order.
     Tensors are detached fp32 copies on the model's device. Outside the context nothing is
     recorded and nothing is computed for it.
     """

@@ -3,17 +3,20 @@
 the held-out split) through the model under
 residuals.capture_connections and save, per wrapper and per token, as float32 in an .npz:
 
-  h_res (W, N, n, n)         x_next[i] = sum_j h_res[i, j] x[j]      (hc, mhc, mhclite)
+  h_res (W, N, n, n)         x_next[i] = sum_j h_res[i, j] x[j]      (every variant but res; ihc: I)
   h_pre, h_post (W, N, n)
   logits (W, N, n, n)        mhc only: the Sinkhorn input is exp(logits)
   perm_weights (W, N, K)     mhclite only: the convex weights over the K permutations `perms` (K, n)
+  factor_weights (W, N, R)   kromhc only: each factor's softmax weights over its p! permutations, in the
+                             order of `factors` (R = sum of p!)
 
 W = 2 * n_layer wrappers in forward order (wrapper w is the attention (w even) or MLP (w odd)
 connection of layer w // 2). Token j of the N collected tokens is <split>.bin token
 `token_index[j]` (sequence token_index // seq_len, position token_index % seq_len); without
 --max_tokens that is all num_seqs * seq_len tokens in order, with it a seeded sorted subsample.
-Metadata arrays: residual, dataset, size, split, run_seed (training seed), n_layer, n_streams, step,
-wrapper, wrapper_layer, wrapper_sublayer, num_seqs, seq_len, seed (subsample seed), checkpoint.
+Metadata arrays: residual, variant (analysis.common.variant_of), dataset, size, split, run_seed
+(training seed), n_layer, n_streams, step, wrapper, wrapper_layer, wrapper_sublayer, num_seqs, seq_len,
+seed (subsample seed), checkpoint; perms (mhclite), factors (kromhc).
 
     python analysis/collect.py --ckpt out/shakespeare_char-tiny-mhc-s1/ckpt.pt --out out/analysis/mhc.npz
 """
@@ -28,9 +31,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from analysis.common import AnalysisError
-from checkpoint import CheckpointError, load_model
+from analysis.common import AnalysisError, variant_of
+from checkpoint import CheckpointError
 from residuals import capture_connections
+from sample import load_model
 
 
 def collect_shapes(model):
@@ -42,6 +46,8 @@ def collect_shapes(model):
         shapes["logits"] = (n_wrappers, n, n)
     if cfg.residual == "mhclite":
         shapes["perm_weights"] = (n_wrappers, model.connections()[0].perms.shape[0])
+    if cfg.residual == "kromhc":
+        shapes["factor_weights"] = (n_wrappers, model.connections()[0].res_logits)
     return shapes
 
 
@@ -127,7 +133,8 @@ def collect(ckpt_path, out_path, num_seqs=64, seq_len=1024, batch_size=8, max_to
                     values = record[name].reshape(-1, *shape[1:])[keep]
                     arrays[name][w, lo:hi] = values.cpu().numpy()
         metadata = {
-            "residual": cfg.residual, "dataset": ckpt["config"]["dataset"], "size": ckpt["config"]["size"],
+            "residual": cfg.residual, "variant": variant_of(cfg.residual, cfg.mhc_eps),
+            "dataset": ckpt["config"]["dataset"], "size": ckpt["config"]["size"],
             "split": split, "run_seed": ckpt["config"]["seed"],
             "n_layer": cfg.n_layer, "n_streams": cfg.n_streams, "step": int(ckpt["step"]),
             "wrapper": np.arange(n_wrappers), "wrapper_layer": np.arange(n_wrappers) // 2,
@@ -137,6 +144,8 @@ def collect(ckpt_path, out_path, num_seqs=64, seq_len=1024, batch_size=8, max_to
         }
         if cfg.residual == "mhclite":
             metadata["perms"] = model.connections()[0].perms.cpu().numpy()
+        if cfg.residual == "kromhc":
+            metadata["factors"] = np.array(model.connections()[0].factors)
         write_npz_atomically(out_path, {**arrays, **metadata})
     return metadata
 

@@ -1,4 +1,4 @@
-"""Boxplots of H_res column sums (the paper's figure) from collect.py files, for hc, mhc and mhclite:
+"""Boxplots of H_res column sums (the paper's figure) from collect.py files, for the HC family:
 per matrix, and for the product over all wrappers in forward order (per token, float64: the map from
 the input streams to the output streams). Box statistics use all values; only the drawn outliers are
 a seeded subsample. Prints max |colsum - 1| and max |rowsum - 1|.
@@ -36,7 +36,7 @@ def sum_stats(path):
     """Column sums and max deviations of one collected model.
     {"variant", "group", "seed", "colsums": {panel: values}, "max_dev": {panel: {"col", "row"}}}"""
     data = load_collected(path)
-    if data["residual"] not in HC_FAMILY:
+    if data["variant"] not in HC_FAMILY:
         raise AnalysisError(f"'{path}' holds a {data['residual']} model, which has no H_res")
     h_res = data["h_res"]
     matrices = {"per_matrix": h_res, "product": composite(h_res)}
@@ -46,7 +46,7 @@ def sum_stats(path):
         row = m.sum(axis=-1, dtype=np.float64)
         colsums[panel] = col.ravel()
         max_dev[panel] = {"col": float(np.abs(col - 1).max()), "row": float(np.abs(row - 1).max())}
-    return {"path": path, "variant": data["residual"], "group": (data["dataset"], data["size"]),
+    return {"path": path, "variant": data["variant"], "group": (data["dataset"], data["size"]),
             "seed": data["run_seed"], "colsums": colsums, "max_dev": max_dev}
 
 
@@ -71,7 +71,7 @@ def box_stats(values, label, rng, max_fliers):
 
 
 def plot_group(group, members, out_dir, seed=0, max_fliers=2000, sharey=False):
-    """members: sum_stats of one (dataset, size), any of hc/mhc/mhclite; writes colsum_<group>.png
+    """members: sum_stats of one (dataset, size), any of the HC family; writes colsum_<group>.png
     with a row per panel (per matrix, product) and a column per model, each on its own y scale
     unless `sharey` (hc's spread would otherwise flatten the others)."""
     members = sorted(members, key=lambda s: (HC_FAMILY.index(s["variant"]), s["seed"]))
@@ -112,7 +112,7 @@ def plot_colsums(paths, out_dir, seed=0, max_fliers=2000, sharey=False):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--npz", nargs="+", required=True, help="collect.py files of hc / mhc / mhclite models")
+    p.add_argument("--npz", nargs="+", required=True, help="collect.py files of HC-family models")
     p.add_argument("--out", default="out/analysis", help="folder for colsum_<dataset>-<size>.png")
     p.add_argument("--seed", type=int, default=0, help="seed of the outlier subsample")
     p.add_argument("--max_fliers", type=int, default=2000, help="outliers drawn per box at most")

@@ -12,10 +12,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-VARIANTS = ("res", "hc", "mhc", "mhclite")
-HC_FAMILY = ("hc", "mhc", "mhclite")
-VARIANT_NAMES = {"res": "Residual", "hc": "HC", "mhc": "mHC", "mhclite": "mHC-lite"}
-VARIANT_COLORS = {"res": "tab:gray", "hc": "tab:blue", "mhc": "tab:orange", "mhclite": "tab:green"}
+RESIDUALS = ("res", "hc", "mhc", "mhclite", "kromhc", "ihc")  # residuals.RESIDUALS, read without importing torch
+V4_EPS = "mhc-v4eps"  # mhc with DeepSeek-V4's epsilons (mhc_eps > 0): a variant of its own here
+# The variants a run can be, in the order tables and figures show them; the paper's four always appear.
+VARIANTS = ("res", "hc", "mhc", V4_EPS, "mhclite", "kromhc", "ihc")
+PAPER_VARIANTS = ("res", "hc", "mhc", "mhclite")
+HC_FAMILY = ("hc", "mhc", V4_EPS, "mhclite", "kromhc", "ihc")
+VARIANT_NAMES = {"res": "Residual", "hc": "HC", "mhc": "mHC", V4_EPS: "mHC (V4 eps)", "mhclite": "mHC-lite",
+                 "kromhc": "KromHC", "ihc": "iHC"}
+VARIANT_COLORS = {"res": "tab:gray", "hc": "tab:blue", "mhc": "tab:orange", V4_EPS: "tab:red", "mhclite": "tab:green",
+                  "kromhc": "tab:purple", "ihc": "tab:brown"}
 DATASET_NAMES = {"openwebtext": "OpenWebText", "fineweb_edu": "FineWeb-Edu",
                  "shakespeare": "Shakespeare", "shakespeare_char": "Shakespeare (char)"}
 SIZE_ORDER = ("tiny", "S", "M", "L")
@@ -37,6 +43,12 @@ def authors_settings():
     with open(AUTHORS_CONFIG, encoding="utf-8") as f:
         tree = ast.parse(f.read())
     return {node.targets[0].id: ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)}
+
+
+def variant_of(residual, mhc_eps=0.0):
+    """The variant of a model: its residual, or V4_EPS for mhc with DeepSeek-V4's epsilons (a config.json
+    from before mhc_eps existed: 0, the paper's)."""
+    return V4_EPS if residual == "mhc" and mhc_eps else residual
 
 
 def dataset_name(dataset):
@@ -81,6 +93,10 @@ class Run:
         return self.config["residual"]
 
     @property
+    def variant(self):
+        return variant_of(self.residual, self.config.get("mhc_eps", 0.0))
+
+    @property
     def seed(self):
         return self.config["seed"]
 
@@ -98,7 +114,7 @@ class Run:
     @property
     def label(self):
         """The variant's name, with the settings unless they are the paper's: "mHC-lite (authors)"."""
-        name = VARIANT_NAMES[self.residual]
+        name = VARIANT_NAMES[self.variant]
         return name if self.settings == "paper" else f"{name} ({self.settings})"
 
 
@@ -158,8 +174,8 @@ def load_run(path):
     for key in ("dataset", "size", "residual", "seed"):
         if key not in config:
             raise AnalysisError(f"{config_path} lacks the key '{key}'")
-    if config["residual"] not in VARIANTS:
-        raise AnalysisError(f"{config_path}: unknown residual '{config['residual']}'; valid: {', '.join(VARIANTS)}")
+    if config["residual"] not in RESIDUALS:
+        raise AnalysisError(f"{config_path}: unknown residual '{config['residual']}'; valid: {', '.join(RESIDUALS)}")
     train, evals, firsts = read_metrics(metrics_path)
     return Run(path, config, as_arrays(train, TRAIN_KEYS), as_arrays(evals, EVAL_KEYS),
                as_arrays(firsts, FIRST_STEP_KEYS))
@@ -170,7 +186,7 @@ def is_run_dir(path):
 
 
 def default_cell(run):
-    return (*run.group, run.residual, run.settings, run.seed)
+    return (*run.group, run.variant, run.settings, run.seed)
 
 
 def find_runs(paths, exclude=None, cell_of=default_cell):
@@ -224,7 +240,7 @@ def group_runs(runs):
     """{(dataset, size): {variant: [runs sorted by seed]}}, groups in paper order."""
     groups = {}
     for run in runs:
-        groups.setdefault(run.group, {}).setdefault(run.residual, []).append(run)
+        groups.setdefault(run.group, {}).setdefault(run.variant, []).append(run)
     for by_variant in groups.values():
         for variant_runs in by_variant.values():
             variant_runs.sort(key=lambda r: r.seed)
@@ -292,6 +308,8 @@ def load_collected(path, arrays=("h_res",)):
             if missing:
                 raise AnalysisError(f"'{path}' is not a file written by analysis/collect.py (no {missing[0]})")
             data = {k: npz[k].item() for k in COLLECT_METADATA}
+            # a file from before the mhc_eps setting holds the paper's mhc
+            data["variant"] = npz["variant"].item() if "variant" in npz.files else data["residual"]
             for k in arrays:
                 if k not in npz.files:
                     raise AnalysisError(f"'{path}' ({data['residual']}) has no '{k}' array")

@@ -24,12 +24,14 @@ import numpy as np
 
 from analysis.collect import collect
 from analysis.colsum_box import composite
-from analysis.common import (VARIANT_COLORS, VARIANT_NAMES, VARIANTS, AnalysisError, find_runs, format_mean_std,
-                             load_collected, machine_line, seed_summary)
+from analysis.common import (HC_FAMILY, VARIANT_COLORS, VARIANT_NAMES, VARIANTS, AnalysisError, find_runs,
+                             format_mean_std, load_collected, machine_line, seed_summary)
 from analysis.nu_hist import log_inv_nu
-from checkpoint import CheckpointError, find_checkpoint, load_model
+from checkpoint import CheckpointError, find_checkpoint
 from dataprep import unigram_entropy
+from sample import load_model
 
+MIXING = tuple(v for v in HC_FAMILY if v != "ihc")  # the variants whose H_res is learned
 DEVIATIONS = ("matrix_col_dev", "matrix_row_dev", "product_col_dev", "product_col_dev_median", "product_row_dev")
 METRICS = ("val_loss", "spikes", "grad_norm_max", "grad_norm_median", *DEVIATIONS, "log_inv_nu_median",
            "log_inv_nu_max")
@@ -38,7 +40,7 @@ LINESTYLES = ("-", "--", ":", "-.")  # one per seed
 
 def setting(run):
     """(variant, depth, learning rate) of a run."""
-    return (run.residual, int(run.config["n_layer"]), float(run.config["learning_rate"]))
+    return (run.variant, int(run.config["n_layer"]), float(run.config["learning_rate"]))
 
 
 def count_spikes(grad_norm, factor, window):
@@ -109,7 +111,7 @@ def measure_run(run, work_dir, num_seqs, seq_len, spike_factor, spike_window):
                wall_s=float(open(wall_path).read()) if os.path.isfile(wall_path) else math.nan,
                grad_norm_curve=[[int(s), float(g)] for s, g in zip(run.train["step"], grad_norm)])
     ckpt = find_checkpoint(run.path)
-    if variant == "res" or not os.path.exists(ckpt):
+    if variant not in MIXING or not os.path.exists(ckpt):  # res has no H_res, ihc's is I
         return {**row, **{m: math.nan for m in DEVIATIONS + ("log_inv_nu_median", "log_inv_nu_max")}}
     model, _ = load_model(ckpt)
     npz = os.path.join(work_dir, f"{len(os.listdir(work_dir))}.npz")
@@ -164,7 +166,7 @@ def plot_colsum(rows, summary, lrs, path):
     every seed a dot and the median over seeds a line (robust on a log scale); log scales."""
     fig, axes = plt.subplots(1, len(lrs), figsize=(5.5 * len(lrs), 4.2), squeeze=False)
     for ax, lr in zip(axes[0], lrs):
-        for variant in ("hc", "mhc", "mhclite"):
+        for variant in MIXING:
             es = [e for e in entries(summary, variant, lr) if not math.isnan(e["product_col_dev"])]
             if not es:
                 continue
@@ -190,11 +192,12 @@ def plot_colsum(rows, summary, lrs, path):
 
 def plot_grad_norm(rows, lrs, depth, path):
     """Per-step gradient norms (before clipping) of every run at `depth`: a row of panels per
-    learning rate, a panel per variant, a line per seed; one y scale per row."""
-    fig, axes = plt.subplots(len(lrs), len(VARIANTS), figsize=(3.6 * len(VARIANTS), 3.0 * len(lrs)),
+    learning rate, a panel per variant that ran, a line per seed; one y scale per row."""
+    variants = [v for v in VARIANTS if any(r["variant"] == v for r in rows)]
+    fig, axes = plt.subplots(len(lrs), len(variants), figsize=(3.6 * len(variants), 3.0 * len(lrs)),
                              squeeze=False, sharex=True, sharey="row")
     for ax_row, lr in zip(axes, lrs):
-        for ax, variant in zip(ax_row, VARIANTS):
+        for ax, variant in zip(ax_row, variants):
             runs = sorted((r for r in rows if r["variant"] == variant and r["lr"] == lr and r["depth"] == depth),
                           key=lambda r: r["seed"])
             for i, r in enumerate(runs):
@@ -265,7 +268,7 @@ def reading(rows, summary, lrs, depths):
     shallow, deep = depths[0], depths[-1]
     lines = []
     if len(depths) > 1:
-        for variant in ("hc", "mhc", "mhclite"):
+        for variant in MIXING:
             growth, matrix = [], {}
             for lr in lrs:
                 es = {e["depth"]: e for e in entries(summary, variant, lr)}
@@ -309,7 +312,7 @@ def reading(rows, summary, lrs, depths):
         outside, inside = [], []
         for depth in depths:
             res = [v for v in per_run(rows, "res", lr, "val_loss", depth) if not math.isnan(v)]
-            for variant in ("hc", "mhc", "mhclite"):
+            for variant in HC_FAMILY:
                 other = [v for v in per_run(rows, variant, lr, "val_loss", depth) if not math.isnan(v)]
                 if res and other:
                     diff, noise = mean_and_noise(other, res)
@@ -332,7 +335,7 @@ def findings(rows, summary, lrs, depths):
     """Sentences computed from the summary: growth with depth, divergence, spikes, val loss."""
     lines = []
     shallow, deep = depths[0], depths[-1]
-    for variant in ("hc", "mhc", "mhclite") if len(depths) > 1 else ():
+    for variant in MIXING if len(depths) > 1 else ():
         for lr in lrs:
             es = {e["depth"]: e for e in entries(summary, variant, lr)}
             if shallow not in es or deep not in es or math.isnan(es[shallow]["product_col_dev"]):
@@ -371,7 +374,7 @@ def findings(rows, summary, lrs, depths):
             if not res:
                 continue
             parts = []
-            for variant in ("hc", "mhc", "mhclite"):
+            for variant in HC_FAMILY:
                 other = [v for v in per_run(rows, variant, lr, "val_loss", depth) if not math.isnan(v)]
                 if not other:
                     continue

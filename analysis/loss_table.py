@@ -13,8 +13,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 import numpy as np
 
-from analysis.common import (SETTINGS_LABELS, VARIANT_NAMES, VARIANTS, AnalysisError, authors_settings,
-                             dataset_name, find_runs, group_runs, size_sort_key)
+from analysis.common import (PAPER_VARIANTS, SETTINGS_LABELS, VARIANT_NAMES, VARIANTS, AnalysisError,
+                             authors_settings, dataset_name, find_runs, group_runs, size_sort_key)
 
 METRICS = ("train", "val")
 
@@ -50,9 +50,9 @@ def build_table(runs, last=200, datasets=None, sizes=None):
                 for metric, value in zip(METRICS, (train, val)):
                     if value is not None:
                         cells.setdefault((row_key(variant, run.settings), *group, metric), []).append(value)
-    # every variant's paper row (blank without runs), then the other settings where there are runs
+    # the paper's variants' paper rows (blank without runs), then every other row where there are runs
     rows = [row_key(v, s) for v in VARIANTS for s in SETTINGS_LABELS
-            if s == "paper" or any(r.residual == v and r.settings == s for r, _, _ in used)]
+            if (s == "paper" and v in PAPER_VARIANTS) or any(r.variant == v and r.settings == s for r, _, _ in used)]
     return {"columns": columns, "cells": cells, "rows": rows, "runs": used, "last": last}
 
 
@@ -136,7 +136,7 @@ def runs_markdown(table):
         last_step = int(steps[-1]) if len(steps) else ""
         averaged = min(len(steps), table["last"])
         train_text, val_text = ("" if x is None else f"{x:.4f}" for x in (train, val))
-        lines.append(f"| {run.name} | {run.group[0]} | {run.group[1]} | {run.residual} | {run.settings} | "
+        lines.append(f"| {run.name} | {run.group[0]} | {run.group[1]} | {run.variant} | {run.settings} | "
                      f"{run.seed} | {last_step} | {averaged} | {train_text} | {val_text} |")
     return "\n".join(lines) + "\n"
 

@@ -17,7 +17,7 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
 import numpy as np
 
-from analysis.common import VARIANT_COLORS, AnalysisError, dataset_name, load_collected
+from analysis.common import VARIANT_COLORS, VARIANT_NAMES, AnalysisError, dataset_name, load_collected
 
 
 def log_inv_nu(logits):
@@ -38,15 +38,15 @@ def nu_stats(path, threshold=30.0):
     """{"path", "label", "values" (W * N log(1/nu) values), "count", "fraction_above", "median", "max"}."""
     data = load_mhc(path)
     values = log_inv_nu(data["logits"]).ravel()
-    label = (f"{dataset_name(data['dataset'])} {data['size']} seed {data['run_seed']} "
-             f"({data['n_layer']} layers, step {data['step']})")
+    label = (f"{VARIANT_NAMES[data['variant']]} {dataset_name(data['dataset'])} {data['size']} "
+             f"seed {data['run_seed']} ({data['n_layer']} layers, step {data['step']})")
     return {"path": path, "label": label,
             "values": values, "count": values.size, "fraction_above": float(np.mean(values > threshold)),
             "median": float(np.median(values)), "max": float(values.max()), "threshold": threshold}
 
 
 def format_stats(stats):
-    return (f"mHC {stats['label']}: {100 * stats['fraction_above']:.2f}% of {stats['count']} Sinkhorn inputs have "
+    return (f"{stats['label']}: {100 * stats['fraction_above']:.2f}% of {stats['count']} Sinkhorn inputs have "
             f"log(1/nu) > {stats['threshold']:g}; median {stats['median']:.2f}, max {stats['max']:.2f}")
 
 

@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from analysis import colsum_box, grad_norm, hellaswag, loss_table, nu_hist, throughput
 from analysis.collect import collect
 import sample
-from analysis.common import HC_FAMILY, VARIANT_NAMES, VARIANTS, AnalysisError, find_runs, group_label, group_runs
+from analysis.common import HC_FAMILY, VARIANTS, AnalysisError, find_runs, group_label, group_runs
 from checkpoint import CheckpointError, find_checkpoint, has_checkpoint
 
 SAMPLE_TEMPERATURE, SAMPLE_TOP_K = 0.8, 200
@@ -42,7 +42,7 @@ def sample_section(runs, args):
           f"seed {args.seed}:\n"]
     for group, by_variant in group_runs(runs).items():
         for run in [r for variant in VARIANTS for r in by_variant.get(variant, [])]:
-            title = f"**{VARIANT_NAMES[run.residual]}**, {group_label(group)} ({run.name})"
+            title = f"**{run.label}**, {group_label(group)} ({run.name})"
             if not has_checkpoint(find_checkpoint(run.path)):
                 md.append(f"{title}: no checkpoint, no sample.\n")
                 continue
@@ -62,7 +62,7 @@ def collect_runs(runs, out_dir, args):
     """Collects every HC-family run that has a checkpoint; returns ([(run, npz path, metadata)], [notes])."""
     collected, notes = [], []
     for run in runs:
-        if run.residual not in HC_FAMILY:
+        if run.variant not in HC_FAMILY:
             continue
         ckpt = find_checkpoint(run.path)  # ckpt.pt, or a sharded run's ckpt.dcp
         if not os.path.exists(ckpt):
@@ -110,10 +110,10 @@ def write_report(runs, out_dir, args, command):
     else:
         subsample = "" if args.max_tokens is None else f", a seeded subsample of {args.max_tokens} tokens"
         md.append(f"Collected from each checkpoint on the first training sequences{subsample}:\n")
-        md += [f"- [{os.path.basename(path)}]({os.path.relpath(path, out_dir)}): {run.residual}, checkpoint of step "
+        md += [f"- [{os.path.basename(path)}]({os.path.relpath(path, out_dir)}): {run.variant}, checkpoint of step "
                f"{meta['step']}, {meta['num_seqs']} x {meta['seq_len']} tokens" for run, path, meta in collected]
         md.append("")
-        mhc_paths = [path for run, path, _ in collected if run.residual == "mhc"]
+        mhc_paths = [path for run, path, _ in collected if run.residual == "mhc"]  # with or without V4's eps
         md.append("### log(1/nu) of the mHC Sinkhorn inputs\n")
         if mhc_paths:
             path, all_stats = nu_hist.plot_nu_hists(mhc_paths, out_dir)

@@ -47,6 +47,10 @@ def unsupported_reason(module, x) -> str | None:
         return "triton is not installed"
     if not isinstance(module, StreamConnection):
         return "not an HC-family connection"
+    if module.name not in ("hc", "mhc", "mhclite"):
+        return f"the kernels are written for hc, mhc and mhclite, not {module.name}"
+    if isinstance(module, ManifoldHyperConnection) and module.mhc_eps:
+        return "the kernels compute the paper's mhc, not DeepSeek-V4's epsilons (mhc_eps > 0)"
     if module.n_streams != STREAMS:
         return "the kernels are written for n_streams = 4"
     if isinstance(module, ManifoldHyperConnection) and module.sinkhorn_iters < MIN_SINKHORN_ITERS:

@@ -1,5 +1,5 @@
 """Our GPT as a transformers causal LM: the nanoGPT blocks of model.py, every sublayer wrapped by
-its connection from residuals.py (res, hc, mhc or mhclite), the same parameter names, so a
+its connection from residuals.py (res, hc, mhc, mhclite, kromhc or ihc), the same parameter names, so a
 checkpoint's state dict loads as it is. Logits of every position; a KV cache for generate()
 (attention only: the connections act per token). Positions are absolute: past block_size tokens
 generate() crops the context and recomputes it, as sample.py does."""
@@ -22,7 +22,7 @@ def connection_options(config):
     the variant's, and the authors' arithmetic where the run used it."""
     options = {}
     if config.residual == "mhc":
-        options = dict(sinkhorn_iters=config.sinkhorn_iters)
+        options = dict(sinkhorn_iters=config.sinkhorn_iters, mhc_eps=config.mhc_eps)
     if config.residual == "mhclite":
         options = dict(num_perms=config.mhclite_perms, perm_sampling=config.mhclite_perm_sampling,
                        perm_seed=config.perm_seed)
@@ -72,8 +72,8 @@ class Block(nn.Module):
         connection = connection_class(config)
         n_streams = 1 if config.residual == "res" else config.n_streams
         options = connection_options(config)
-        # transformers builds the model on the meta device before loading; mhclite draws its
-        # permutation set with real tensors at construction, so the connections are built on the CPU
+        # transformers builds the model on the meta device before loading; mhclite and kromhc build
+        # their permutation sets with real tensors at construction, so the connections are built on the CPU
         with torch.device("cpu"):
             self.attn_connection = connection(config.n_embd, n_streams, 2 * layer_index, **options)
             self.mlp_connection = connection(config.n_embd, n_streams, 2 * layer_index + 1, **options)
@@ -113,8 +113,9 @@ class MHCLiteGPTForCausalLM(PreTrainedModel, GenerationMixin):
 
     @torch.no_grad()
     def rebuild_permutation_matrices(self):
-        """mhclite's 0/1 matrices from its saved permutation set (the `perms` buffers): they are not
-        saved themselves, and transformers loads weights without the module's load hooks."""
+        """mhclite's 0/1 matrices from its saved permutation set (the `perms` buffers), kromhc's from n:
+        they are not saved themselves, and transformers loads weights without the module's load hooks
+        and leaves the buffers it does not load unset."""
         for block in self.transformer.h:
             for connection in (block.attn_connection, block.mlp_connection):
                 if hasattr(connection, "rebuild_permutation_matrices"):

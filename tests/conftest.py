@@ -85,10 +85,12 @@ def data_dir(tmp_path_factory):
 
 
 HELLASWAG_FIXTURE = Path(__file__).parent / "hellaswag_fixture.jsonl"
-# (run name, train.py overrides): every variant, and mhclite with n = 8 and 12 sampled permutations
+# (run name, train.py overrides): every variant, mhclite with n = 8 and 12 sampled permutations, and
+# kromhc with n = 6 (a 2 x 2 and a 3 x 3 factor)
 FIXTURE_RUNS = {"res": dict(residual="res"), "hc": dict(residual="hc"), "mhc": dict(residual="mhc"),
                 "mhclite": dict(residual="mhclite"),
-                "mhclite-n8": dict(residual="mhclite", n_streams=8, mhclite_perms=12)}
+                "mhclite-n8": dict(residual="mhclite", n_streams=8, mhclite_perms=12),
+                "kromhc-n6": dict(residual="kromhc", n_streams=6), "ihc": dict(residual="ihc")}
 
 
 @pytest.fixture(scope="session")

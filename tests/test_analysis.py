@@ -16,9 +16,10 @@ import torch
 import sample
 from analysis import collect, colsum_box, grad_norm, larger_n, loss_table, nu_hist, progress, report, throughput
 from analysis.common import authors_settings, find_runs, read_metrics
-from checkpoint import load_model
+from checkpoint import load_checkpoint, save_checkpoint
 from conftest import one_error_line
 from residuals import capture_connections
+from sample import load_model
 
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = ("res", "hc", "mhc", "mhclite")
@@ -490,3 +491,52 @@ def test_loss_table_shows_the_authors_settings_beside_the_paper(runs, tmp_path):
     assert f"| mhclite-authors | authors | {repr(settings['final_norm'])} |" in listed
     assert "| mhclite-old | paper | (paper's, not recorded) |" in listed
     assert "| mhc-mixed | mixed |" in listed
+
+
+@pytest.mark.slow
+def test_the_report_covers_kromhc_ihc_and_mhc_with_v4_epsilons(hellaswag_runs, tmp_path, capsys):
+    """The variants after mHC-lite through the report: rows of their own in the loss table (mhc with
+    mhc_eps > 0 apart from the paper's mhc), kromhc's factor weights collected, the column sums of
+    every variant that learns an H_res (iHC's is I), log(1/nu) for both mHCs."""
+    v4 = tmp_path / "runs" / "mhc-v4eps"
+    shutil.copytree(hellaswag_runs["mhc"], v4)
+    config = json.loads((v4 / "config.json").read_text())
+    (v4 / "config.json").write_text(json.dumps({**config, "mhc_eps": 1e-6}))
+    ckpt = load_checkpoint(str(v4 / "ckpt.pt"))
+    ckpt["model_args"]["mhc_eps"] = 1e-6
+    save_checkpoint(str(v4 / "ckpt.pt"), ckpt)
+    runs = [hellaswag_runs["mhc"], v4, hellaswag_runs["kromhc-n6"], hellaswag_runs["ihc"]]
+    out = tmp_path / "report"
+    report.main(["--runs", *map(str, runs), "--out", str(out), "--num_seqs", "2", "--seq_len", "32",
+                 "--sample_tokens", "0", "--window", "2"])
+    text = (out / "report.md").read_text()
+    rows = markdown_rows((out / "loss_table.md").read_text())
+    assert list(rows) == ["Residual", "HC", "mHC", "mHC (V4 eps)", "mHC-lite", "KromHC", "iHC"]
+    for name, run in zip(("mHC", "mHC (V4 eps)", "KromHC", "iHC"), runs):
+        assert rows[name][1].strip("*") == f"{logged(run)['val_loss'][-1]:.3f}"
+    kromhc = np.load(out / "collect" / "kromhc-n6.npz")
+    assert kromhc["variant"].item() == "kromhc" and kromhc["factors"].tolist() == [2, 3]
+    assert kromhc["factor_weights"].shape == (4, 64, 2 + 6)
+    weights = kromhc["factor_weights"]
+    assert np.allclose(weights[..., :2].sum(-1), 1) and np.allclose(weights[..., 2:].sum(-1), 1)
+    ihc = np.load(out / "collect" / "ihc.npz")
+    assert (ihc["h_res"] == np.eye(4)).all()
+    stats = {s["variant"]: s for s in map(colsum_box.sum_stats, sorted((out / "collect").glob("*.npz")))}
+    assert stats["kromhc"]["max_dev"]["product"]["col"] < 1e-5 and stats["ihc"]["max_dev"]["product"]["col"] == 0
+    for s in stats.values():
+        assert colsum_box.format_stats(s) in text
+    nu_lines = text.split("### log(1/nu)")[1].split("###")[0]
+    assert "mHC fixture tiny" in nu_lines and "mHC (V4 eps) fixture tiny" in nu_lines
+
+
+def test_larger_n_study_takes_kromhc(hellaswag_runs, tmp_path):
+    """KromHC in the larger-n study, labelled by its factors, exact like mHC-lite."""
+    runs = [hellaswag_runs["kromhc-n6"], hellaswag_runs["mhc"]]
+    _, summary = larger_n.write_study(list(map(str, runs)), str(tmp_path), "python analysis/larger_n.py",
+                                      num_seqs=2, seq_len=32)
+    assert [e["label"] for e in summary] == ["mHC n=4", "KromHC n=6 = 2 x 3"]
+    kromhc = summary[1]
+    assert kromhc["matrix_col_dev"] < 1e-5 and kromhc["product_col_dev"] < 1e-5
+    model, _ = load_model(str(runs[0] / "ckpt.pt"))
+    assert kromhc["connection_params"] == model.parameter_counts()["connections"]
+    assert kromhc["val_loss"] == pytest.approx(logged(runs[0])["val_loss"][-1])

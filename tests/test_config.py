@@ -143,15 +143,17 @@ def test_out_dir_default_and_explicit(tmp_path):
 # A value other than the default for every setting, as a user writes it.
 NON_DEFAULT = dict(
     residual="mhclite", n_streams=3, mhclite_perms=4, mhclite_perm_sampling="cover", perm_seed=5, sinkhorn_iters=7,
+    mhc_eps=1e-6,
     block_size=64, n_layer=3, n_head=2, n_embd=48, bias=True, stream_dtype="bfloat16", final_norm="per_stream",
     rms_eps=0.0, sinkhorn_order="rows_then_cols", init_stream="drawn", connection_weight_decay="authors",
     h_res_dtype="autocast", mixing_dtype="autocast", fused_connections=True, dropout=0.25, recompute_connections=True,
     size="S", learning_rate=2e-3, min_lr=1e-5, weight_decay=0.05, beta1=0.8, beta2=0.99, grad_clip=0.5,
     warmup_iters=10, lr_decay_iters=500, max_iters=1000, dataset="shakespeare", data_dir="/data/corpora",
-    batch_size=4, gradient_accumulation_steps=2, out_dir="/runs/a", init_from="auto", seed=7, eval_interval=50,
-    eval_iters=20, log_interval=5, always_save_checkpoint=False, ckpt_interval=100, keep_checkpoints=3,
-    wandb_log=True, wandb_project="p", wandb_run_name="r", parallel="fsdp", activation_checkpointing=True,
-    device="cuda:1", dtype="bfloat16", compile="true", compile_mode="blocks", peak_flops=1e15)
+    allow_data_change=True, batch_size=4, gradient_accumulation_steps=2, out_dir="/runs/a", init_from="auto", seed=7,
+    eval_interval=50, eval_iters=20, log_interval=5, always_save_checkpoint=False, ckpt_interval=100,
+    keep_checkpoints=3, wandb_log=True, wandb_project="p", wandb_run_name="r", parallel="fsdp",
+    activation_checkpointing=True, device="cuda:1", dtype="bfloat16", compile="true", compile_mode="blocks",
+    peak_flops=1e15)
 
 
 def test_every_setting_takes_its_value_from_the_command_line_and_from_a_file(tmp_path):
@@ -279,7 +281,8 @@ def test_every_model_setting_reaches_the_model_config_unchanged():
     runs (Execution) is not among them."""
     assert issubclass(TrainConfig, ModelSettings) and issubclass(TrainConfig, Execution)
     changed = dict(residual="mhclite", n_streams=3, mhclite_perms=4, mhclite_perm_sampling="cover", perm_seed=5,
-                   sinkhorn_iters=7, block_size=64, n_layer=3, n_head=2, n_embd=48, dropout=0.25, bias=True,
+                   sinkhorn_iters=7, mhc_eps=1e-6, block_size=64, n_layer=3, n_head=2, n_embd=48, dropout=0.25,
+                   bias=True,
                    stream_dtype="bfloat16", final_norm="per_stream",
                    rms_eps=0.0, sinkhorn_order="rows_then_cols", init_stream="drawn",
                    connection_weight_decay="authors", h_res_dtype="autocast", mixing_dtype="autocast")

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from analysis import depth_study
-from checkpoint import save_checkpoint
+from checkpoint import load_checkpoint, save_checkpoint
 from config import TrainConfig
 from dataprep import unigram_entropy
 from model import GPT, GPTConfig
@@ -89,6 +89,15 @@ def fake_run(root, data_dir, variant, depth, lr, seed, val_loss=None, nan_at=Non
     (path / ("diverged" if nan_at is not None else "done")).write_text(f"{STEPS}\n")
     (path / "wall_s").write_text("7\n")
     return path
+
+
+def with_settings(path, settings):
+    """A fake run's config.json and checkpoint as a run with these model settings would have written them."""
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **settings}))
+    ckpt = load_checkpoint(str(path / "ckpt.pt"))
+    ckpt["model_args"].update(settings)
+    save_checkpoint(str(path / "ckpt.pt"), ckpt)
 
 
 @pytest.fixture(scope="module")
@@ -273,3 +282,27 @@ def test_the_script_trains_skips_finished_runs_and_keeps_diverged_ones(tmp_path)
     page = (doc_dir / "depth_study.md").read_text()
     assert page.count("- Diverged: ") == 8 and "| mHC-lite | 2 | 1/1 |" in page
     assert '--depths "1 2" --lrs "1e-3" --seeds "0" --steps 4 --jobs 2 -- --weight_decay=1e30\npython analysis/depth_study.py' in page
+
+
+def test_the_variants_after_mhclite_are_measured_too(tmp_path):
+    """kromhc's product stays doubly stochastic at every depth, and the reading says so; ihc's H_res
+    is I, so it has no column sums to measure; mhc with DeepSeek-V4's epsilons is a variant of its own,
+    with its Sinkhorn logits measured."""
+    data_dir = tmp_path / "data"
+    write_dataset(data_dir)
+    for depth in DEPTHS:
+        fake_run(tmp_path / "runs" / "kromhc", data_dir, "kromhc", depth, LR, 0, val_loss=2.2)
+        fake_run(tmp_path / "runs" / "ihc", data_dir, "ihc", depth, LR, 0, val_loss=2.3)
+        with_settings(fake_run(tmp_path / "runs" / "v4", data_dir, "mhc", depth, LR, 0, val_loss=2.4),
+                      dict(mhc_eps=1e-6))
+    path, rows, _ = depth_study.write_study([str(tmp_path / "runs" / "*" / "*")], str(tmp_path / "out"),
+                                            "python analysis/depth_study.py", num_seqs=NUM_SEQS, seq_len=16)
+    assert sorted({r["variant"] for r in rows}) == ["ihc", "kromhc", "mhc-v4eps"]
+    assert all(r["product_col_dev"] < 1e-5 for r in rows if r["variant"] == "kromhc")
+    for r in rows:
+        assert math.isnan(r["product_col_dev"]) == (r["variant"] == "ihc")
+        assert (r["log_inv_nu_max"] > 0) == (r["variant"] == "mhc-v4eps")
+    page = open(path).read()
+    assert "- KromHC: the product's column-sum error grows from 1 to 3 layers" in page
+    assert "at the level of fp32 rounding" in page
+    assert "| iHC | 1 | 0/1 | 2.300 |" in page and "| mHC (V4 eps) | 3 | 0/1 | 2.400 |" in page

@@ -2,6 +2,9 @@
 stopped at its limit, the verdict, the flags."""
 
 import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -40,7 +43,10 @@ def test_quick_dry_run_runs_every_part_and_judges_the_paths_that_ran(tmp_path, c
     assert sorted(p.name for p in out.iterdir()) == ["bench.json", "gpu_check.log", "results.json", "summary.md"]
     rows = summary_rows(summary)
     assert [rows[part][1] for part in gpu_check.PARTS] == ["ok"] * 3
-    assert rows["tests"][3].startswith("32 skipped in ")  # test_cuda.py without a GPU
+    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "cuda", "tests/test_cuda.py"],
+                               capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+    selected = re.match(r"(\d+)", collected).group(1)  # "N tests collected" or "N/M tests collected (...)"
+    assert rows["tests"][3].startswith(f"{selected} skipped in ")  # every CUDA test, none run here
     results = json.loads((out / "results.json").read_text())
     # one bench.py process: res, hc and mhc on the reference path, mhclite on each of its paths
     bench = results["bench"]["rows"]

@@ -1,5 +1,6 @@
 """export_hf.py: the exported folder loads offline in transformers and computes what our model
-computes, for every variant and mhclite with n = 8 and sampled permutations: the logits, greedy
+computes, for every variant, mhclite with n = 8 and sampled permutations, kromhc with n = 6 and mhc
+with DeepSeek-V4's epsilons: the logits, greedy
 generation (past the block size too), the tokenizer; lm-evaluation-harness's HF model scores the
 HellaSwag fixture as analysis/hellaswag.py does; one-line errors."""
 import dataclasses
@@ -14,9 +15,10 @@ import torch
 import export_hf
 import sample
 from analysis import hellaswag
-from checkpoint import load_model
+from checkpoint import load_checkpoint, save_checkpoint
 from conftest import FIXTURE_RUNS, HELLASWAG_FIXTURE, one_error_line
 from model import GPTConfig
+from sample import load_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 RUNS = tuple(FIXTURE_RUNS)
@@ -97,6 +99,21 @@ def test_the_authors_settings_are_exported(hellaswag_runs, exports, tmp_path):
     reference, _ = load_model(str(hellaswag_runs["mhclite"] / "ckpt.pt"))
     with torch.no_grad():
         assert (reference(tokens, torch.zeros_like(tokens))[0] - expected).abs().max() > 1e-4  # they do matter
+
+
+def test_mhc_with_v4_epsilons_is_exported(hellaswag_runs, tmp_path):
+    """mhc_eps changes the computation, not the parameters: set on a trained mhc checkpoint."""
+    ckpt = load_checkpoint(str(hellaswag_runs["mhc"] / "ckpt.pt"))
+    ckpt["model_args"].update(mhc_eps=1e-6)
+    (tmp_path / "run").mkdir()
+    save_checkpoint(str(tmp_path / "run" / "ckpt.pt"), ckpt)
+    ours, _ = load_model(str(tmp_path / "run" / "ckpt.pt"))
+    exported, _ = load_export(export_hf.export(str(tmp_path / "run"), str(tmp_path / "export")))
+    assert exported.config.mhc_eps == 1e-6
+    tokens = torch.randint(0, ours.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected, _ = ours(tokens, torch.zeros_like(tokens))
+        assert (exported(tokens).logits - expected).abs().max() <= 1e-5
 
 
 def test_the_permutation_set_travels_with_the_weights(hellaswag_runs, tmp_path):

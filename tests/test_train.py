@@ -1,6 +1,7 @@
 """train.py and the checkpoint package end to end on CPU: a tiny model on a tiny char-level corpus written
 into tmp_path. Covers the four variants, exact resume, 2-process DDP equivalence, SIGTERM, a
-non-finite loss, damaged checkpoints and the one-line errors."""
+non-finite loss, damaged checkpoints and the one-line errors (what a start does with each folder it
+finds: test_start.py)."""
 import io
 import json
 import math
@@ -15,11 +16,14 @@ import numpy as np
 import pytest
 import torch
 
+import dataloader
 import train
-from checkpoint import CheckpointError, CheckpointManager, TrainState, load_checkpoint, load_model, save_checkpoint
+from checkpoint import (CheckpointError, CheckpointManager, ModelState, OptimizerState, TrainState, load_checkpoint,
+                        save_checkpoint)
 from config import REPO_DIR, load_config
 from conftest import assert_one_error_line, one_error_line
 from model import GPT, GPTConfig
+from sample import load_model
 
 TRAIN_KEYS = {"step", "train_loss", "lr", "grad_norm", "tokens_per_s", "step_ms", "mfu"}
 EVAL_KEYS = {"step", "eval_train_loss", "val_loss"}
@@ -81,8 +85,8 @@ def test_global_batch_is_the_same_set_of_sequences_for_any_world_size(data_dir):
     cfg = load_config(["--batch_size=3", "--gradient_accumulation_steps=4", "--block_size=16"])
     shares = {}
     for world_size in (1, 2, 4):
-        generators = [train.make_generator(5, train.TRAIN_STREAM) for _ in range(world_size)]
-        shares[world_size] = [torch.cat([train.step_offsets(g, path, cfg, rank, world_size)
+        generators = [dataloader.make_generator(5, dataloader.TRAIN_STREAM) for _ in range(world_size)]
+        shares[world_size] = [torch.cat([dataloader.step_offsets(g, path, cfg, rank, world_size)
                                          for rank, g in enumerate(generators)]) for _ in range(3)]
         # every rank's generator has advanced identically, so the data position is rank-free
         assert len({bytes(g.get_state().numpy()) for g in generators}) == 1
@@ -90,7 +94,7 @@ def test_global_batch_is_the_same_set_of_sequences_for_any_world_size(data_dir):
         assert shares[1][step].shape == (4, 3)
         assert torch.equal(shares[1][step], shares[2][step]) and torch.equal(shares[1][step], shares[4][step])
     assert not torch.equal(shares[1][0], shares[1][1])
-    other_seed = train.step_offsets(train.make_generator(6, train.TRAIN_STREAM), path, cfg, 0, 1)
+    other_seed = dataloader.step_offsets(dataloader.make_generator(6, dataloader.TRAIN_STREAM), path, cfg, 0, 1)
     assert not torch.equal(other_seed, shares[1][0])
 
 
@@ -99,40 +103,45 @@ def test_save_checkpoint_is_atomic(tmp_path):
     save_checkpoint(path, {"step": 1, "weights": torch.ones(3)})
     with pytest.raises(Exception):
         save_checkpoint(path, {"step": 2, "bad": lambda: None})  # fails while pickling
-    assert torch.load(path, weights_only=True)["step"] == 1
-    assert os.listdir(tmp_path) == ["ckpt.pt"]
+    assert torch.load(path, weights_only=True)["step"] == 1 and load_checkpoint(path, required=("step",))["step"] == 1
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt", "ckpt.pt.digest.json"]
 
 
-def test_a_train_state_continues_from_its_state_dict():
-    """TrainState.state_dict() is what a checkpoint holds of the run, loadable with weights_only;
-    load_state_dict() into another state continues it: the next step is the same step."""
+def test_the_states_continue_from_their_state_dicts():
+    """The union of the states' state_dict() is what a checkpoint holds of the run, loadable with
+    weights_only; load_state_dict() into other states continues it: the next step is the same step."""
     config = GPTConfig(block_size=8, vocab_size=11, n_layer=1, n_head=2, n_embd=16, residual="mhclite")
     tokens = torch.randint(0, 11, (2, 8), generator=torch.Generator().manual_seed(1))
 
     def fresh(seed):
         torch.manual_seed(seed)
         model = GPT(config)
-        return TrainState(model, model.configure_optimizers(0.1, 1e-2, (0.9, 0.95), "cpu"),
-                          train.make_generator(seed, train.TRAIN_STREAM))
+        optimizer = model.configure_optimizers(0.1, 1e-2, (0.9, 0.95), "cpu")
+        return dict(model=ModelState(model), optimizer=OptimizerState(model, optimizer),
+                    train=TrainState(dataloader.make_generator(seed, dataloader.TRAIN_STREAM)))
 
-    def train_step(state):
-        state.model(tokens, tokens)[1].backward()
-        state.optimizer.step()
-        state.optimizer.zero_grad(set_to_none=True)
+    def train_step(states):
+        model, optimizer, state = states["model"].model, states["optimizer"].optimizer, states["train"]
+        model(tokens, tokens)[1].backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         state.step += 1
         return torch.randint(100, (4,), generator=state.train_generator)  # the data position moves
 
-    state = fresh(0)
-    train_step(state)
-    state.best_val_loss = 2.5
+    states = fresh(0)
+    train_step(states)
+    states["train"].best_val_loss = 2.5
     buffer = io.BytesIO()
-    torch.save(state.state_dict(), buffer)
+    torch.save({key: value for state in states.values() for key, value in state.state_dict().items()}, buffer)
     buffer.seek(0)
     resumed = fresh(1)
-    resumed.load_state_dict(torch.load(buffer, weights_only=True))
-    assert (resumed.step, resumed.best_val_loss) == (1, 2.5)
-    assert torch.equal(train_step(resumed), train_step(state))
-    for (name, p), q in zip(state.model.named_parameters(), resumed.model.parameters()):
+    ckpt = torch.load(buffer, weights_only=True)
+    assert ckpt.keys() == {"model", "model_args", "optimizer", "step", "best_val_loss", "data_state"}
+    for state in resumed.values():
+        state.load_state_dict(ckpt)
+    assert (resumed["train"].step, resumed["train"].best_val_loss) == (1, 2.5)
+    assert torch.equal(train_step(resumed), train_step(states))
+    for (name, p), q in zip(states["model"].model.named_parameters(), resumed["model"].model.parameters()):
         assert torch.equal(p, q), name
 
 
@@ -263,13 +272,14 @@ def test_sigterm_saves_a_loadable_checkpoint_at_a_step_boundary(data_dir, tmp_pa
 @pytest.mark.slow
 def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(data_dir, tmp_path, capsys,
                                                                              monkeypatch):
-    real_step = train.train_step
+    real_step, steps = train.train_step, []
 
-    def step_with_weights_blown_up_at_7(train_model, state, *args):
-        if state.step + 1 == 7:
+    def step_with_weights_blown_up_at_7(train_model, model, *args):
+        steps.append(1)  # a run from scratch: the n-th call is step n
+        if len(steps) == 7:
             with torch.no_grad():
-                next(state.model.parameters()).fill_(math.nan)
-        return real_step(train_model, state, *args)
+                next(model.parameters()).fill_(math.nan)
+        return real_step(train_model, model, *args)
 
     monkeypatch.setattr(train, "train_step", step_with_weights_blown_up_at_7)
     out = tmp_path / "run"
@@ -355,7 +365,7 @@ def test_a_cuda_run_in_one_process_gets_an_indexed_device(device, local_rank, ex
         monkeypatch.setenv("LOCAL_RANK", local_rank)
     world = train.setup_distributed(load_config(["--dataset=toy", f"--device={device}"]))
     assert world.device == torch.device(expected) and chosen == [torch.device(expected)]
-    assert not world.ddp and world.size == 1
+    assert not world.distributed and world.size == 1
 
 
 def test_resume_that_moves_the_schedules_horizon_says_so(data_dir, tmp_path, capsys):
@@ -454,14 +464,13 @@ def test_sweep_dry_run_lists_the_table1_runs_and_skips_or_resumes(tmp_path):
 
 
 def test_resume_accepts_checkpoints_older_than_a_setting_and_a_fused_switch(data_dir, tmp_path):
-    """A checkpoint written before stream_dtype/fused_connections existed resumes (it used their
-    defaults); fused_connections may change on resume (same model); stream_dtype may not."""
+    """A checkpoint written before stream_dtype existed resumes (it used its default);
+    fused_connections may change on resume (same model); stream_dtype may not."""
     out = tmp_path / "run"
     train.main(tiny_args(data_dir, out, max_iters=2, eval_interval=2))
     ckpt = torch.load(out / "ckpt.pt", weights_only=True)
-    for key in ("stream_dtype", "fused_connections"):
-        del ckpt["model_args"][key]
-    torch.save(ckpt, out / "ckpt.pt")
+    del ckpt["model_args"]["stream_dtype"]
+    save_checkpoint(str(out / "ckpt.pt"), ckpt)
     train.main(tiny_args(data_dir, out, max_iters=3, eval_interval=3, init_from="resume"))
     train.main(tiny_args(data_dir, out, max_iters=4, eval_interval=4, init_from="resume", fused_connections=True))
     proc = run_cli(tiny_args(data_dir, out, max_iters=5, init_from="resume", stream_dtype="bfloat16"))
@@ -492,7 +501,7 @@ def test_authors_settings_are_saved_and_a_drawn_init_stream_resumes(data_dir, tm
     for key in ("final_norm", "rms_eps", "sinkhorn_order", "init_stream", "init_stream_seed",
                 "connection_weight_decay", "h_res_dtype", "mixing_dtype"):
         del ckpt["model_args"][key]
-    torch.save(ckpt, old / "ckpt.pt")
+    save_checkpoint(str(old / "ckpt.pt"), ckpt)
     train.main(tiny_args(data_dir, old, max_iters=3, eval_interval=3, init_from="resume"))
     proc = run_cli(tiny_args(data_dir, old, max_iters=4, init_from="resume", final_norm="per_stream"))
     assert proc.returncode == 2
@@ -539,9 +548,10 @@ def test_resumed_optimizer_settings_are_applied_and_said(two_step_run, data_dir,
     keep the checkpoint's 0.1 / (0.9, 0.95) while config.json says otherwise."""
     seen, real_restore = [], CheckpointManager.restore
 
-    def restore(self, state, ckpt):
-        real_restore(self, state, ckpt)
-        seen.append([(group["weight_decay"], tuple(group["betas"])) for group in state.optimizer.param_groups])
+    def restore(self, states, ckpt):
+        real_restore(self, states, ckpt)
+        groups = states["optimizer"].optimizer.param_groups
+        seen.append([(group["weight_decay"], tuple(group["betas"])) for group in groups])
 
     monkeypatch.setattr(CheckpointManager, "restore", restore)
     saved_groups = load_checkpoint(str(two_step_run / "ckpt.pt"))["optimizer"]["param_groups"]
@@ -599,3 +609,24 @@ def test_resumed_seed_dataset_and_model_changes_are_refused_in_one_line(two_step
     one_error_line(train.main, args, capsys, *words, alone=False)
     assert sorted(os.listdir(tmp_path / "run")) == before
     assert load_checkpoint(str(tmp_path / "run" / "ckpt.pt"))["step"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", [dict(residual="kromhc", n_streams=8), dict(residual="ihc"),
+                                       dict(residual="mhc", mhc_eps=1e-6)], ids=["kromhc-n8", "ihc", "mhc-v4eps"])
+def test_the_variants_after_mhclite_resume_onto_the_exact_trajectory(data_dir, tmp_path, overrides):
+    """A run stopped at step 4 and resumed gives the straight run's losses, gradient norms and final
+    weights bit for bit (CPU): kromhc's derived permutation matrices, ihc's missing residual logits and
+    mhc_eps travel through the checkpoint."""
+    common = dict(max_iters=8, lr_decay_iters=8, eval_interval=4, **overrides)
+    train.main(tiny_args(data_dir, tmp_path / "straight", **common))
+    train.main(tiny_args(data_dir, tmp_path / "split", **dict(common, max_iters=4)))
+    train.main(tiny_args(data_dir, tmp_path / "split", init_from="resume", **common))
+    straight_train, straight_eval = read_metrics(tmp_path / "straight")
+    split_train, split_eval = read_metrics(tmp_path / "split")
+    assert [(r["step"], r["train_loss"], r["grad_norm"]) for r in split_train] == \
+        [(r["step"], r["train_loss"], r["grad_norm"]) for r in straight_train]
+    assert [(r["step"], r["val_loss"]) for r in split_eval] == [(r["step"], r["val_loss"]) for r in straight_eval]
+    straight, split = (load_model(str(tmp_path / name / "ckpt.pt"))[0] for name in ("straight", "split"))
+    assert all(torch.equal(a, b) for a, b in zip(straight.state_dict().values(), split.state_dict().values()))
+    assert {key: getattr(split.config, key) for key in overrides} == overrides
