@@ -11,8 +11,8 @@ import torch
 
 from conftest import randomise
 from test_kv_cache import BLOCK, random_model
-from test_residuals import (ReducedPrecisionMatmuls, assert_doubly_stochastic, branch, forward_and_grads, rms_norm,
-                            stream_state)
+from test_residuals import (ReducedPrecisionMatmuls, assert_doubly_stochastic, branch, forward_and_grads,
+                            reference_manifold, rms_norm, stream_state)
 
 import authors
 import fused
@@ -42,27 +42,19 @@ def reference_kromhc(module, x):
     """(h_res (B, T, n, n), output) per token from KromHC's formulas, float64: the logits of the shared
     projection split per factor, U_k = sum_r softmax(logits_k)_r P_r, H = U_1 kron U_2 kron ...
     (torch.kron), then x_next[i] = sum_j H[i, j] x[j] + h_post[i] f(u)."""
-    n, c = module.n_streams, module.width
-    w_pre, w_post, w_res = module.proj.weight.split([n, n, module.res_logits], dim=0)
-    h_res = torch.empty(*x.shape[:2], n, n, dtype=x.dtype)
-    out = torch.empty_like(x)
-    for b in range(x.shape[0]):
-        for t in range(x.shape[1]):
-            xl = x[b, t]
-            xh = rms_norm(xl.reshape(n * c), module.norm_gain)
-            h_pre = torch.sigmoid(module.scale_pre * (xh @ w_pre.t()) + module.bias_pre)
-            h_post = 2 * torch.sigmoid(module.scale_post * (xh @ w_post.t()) + module.bias_post)
-            logits = module.scale_res * (xh @ w_res.t()) + module.bias_res
-            factors, start = [], 0
-            for p in kronecker_factors(n):
-                weights = torch.softmax(logits[start: start + math.factorial(p)], dim=-1)
-                factors.append(sum(w * P for w, P in zip(weights, all_permutation_matrices(p))))
-                start += math.factorial(p)
-            h = functools.reduce(torch.kron, factors)
-            u = sum(h_pre[i] * xl[i] for i in range(n))
-            out[b, t] = h @ xl + h_post[:, None] * branch(u)
-            h_res[b, t] = h
-    return h_res, out
+    matrices = []
+
+    def kronecker_h_res(logits):
+        factors, start = [], 0
+        for p in kronecker_factors(module.n_streams):
+            weights = torch.softmax(logits[start: start + math.factorial(p)], dim=-1)
+            factors.append(sum(w * P for w, P in zip(weights, all_permutation_matrices(p))))
+            start += math.factorial(p)
+        matrices.append(functools.reduce(torch.kron, factors))
+        return matrices[-1]
+
+    out = reference_manifold(module, x, kronecker_h_res)
+    return torch.stack(matrices).view(*x.shape[:2], module.n_streams, module.n_streams), out
 
 
 @pytest.mark.parametrize("n, factors", [(2, [2]), (3, [3]), (4, [2, 2]), (6, [2, 3]), (8, [2, 2, 2]),
