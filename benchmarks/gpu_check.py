@@ -6,16 +6,22 @@ connection paths trains fastest here? One command:
 
 mhclite's four connection paths: residuals.py compiled by inductor (the reference path) and the
 fused Triton kernels, each with fp32 and with bf16 streams. The parts, in order, each stopped at
-its limit ({limits}) so that a hang cannot spend the allocation:
-  tests  the CUDA tests (pytest -m cuda; on CPU they skip)
-  bench  python bench.py in one process, interleaved: res, hc, mhc and mhclite on the reference path,
-         and mhclite's other three paths (ms, IQR, x res, tokens/s, peak memory)
-  train  {steps} steps of train.py of mhclite on each path from the same seed, on random tokens: the
-         largest difference of a step's loss from the reference path's, and the path each run took
+its limit ({limits}) or when the check's --budget runs out, so that a hang cannot spend the
+allocation; a part with less than {least} s of the budget left is skipped:
+  tests   the CUDA tests (pytest -m cuda; on CPU they skip)
+  bench   python bench.py in one process, interleaved: res, hc, mhc and mhclite on the reference path,
+          and mhclite's other three paths (ms, IQR, x res, tokens/s, peak memory)
+  train   {steps} steps of train.py of mhclite on each path from the same seed, on random tokens: the
+          largest difference of a step's loss from the reference path's, and the path each run took
+  graphs  python bench.py again for res and mhclite on the reference path, each compiled with and
+          without inductor's CUDA graphs (most of a connection's compiled kernels are tiny, so their
+          launches may cost more than their work), and each +graphs row's largest difference of a
+          step's loss from the same variant's without
 The verdict closes the summary: the fastest path whose every step's loss is within {tolerance:g} of the
-reference path's. OUT (--out, default out/gpu_check) holds summary.md, gpu_check.log (every command
-and its output), results.json and bench.json; training runs and their data go to a temporary folder.
-Exit code 1 if a part failed or was stopped, 2 for bad flags.
+reference path's, then what CUDA graphs did. OUT (--out, default out/gpu_check) holds summary.md,
+gpu_check.log (every command and its output), results.json, bench.json and graphs.json; training
+runs and their data go to a temporary folder. Exit code 1 if a part failed, was stopped or was
+skipped, 2 for bad flags.
 """
 
 import argparse
@@ -33,9 +39,12 @@ import torch
 import triton
 
 from .common import fmt, markdown_table
+from .step import GRAPHS_SUFFIX
 
-PARTS = ("tests", "bench", "train")
-LIMITS = {"tests": 150, "bench": 300, "train": 195}  # seconds
+PARTS = ("tests", "bench", "train", "graphs")
+LIMITS = {"tests": 150, "bench": 300, "train": 195, "graphs": 150}  # seconds
+BUDGET = 510  # seconds for all parts: inside the 9 minutes a short allocation's command gets
+LEAST_PART_SECONDS = 30  # a part with less of the budget left is skipped
 # mhclite's paths: bench.py's row, train.py's flags.
 PATHS = {"reference": ("mhclite", []),
          "reference + bf16 streams": ("mhclite+bf16", ["--stream_dtype=bfloat16"]),
@@ -45,6 +54,7 @@ LOSS_TOLERANCE = 2e-3  # the most a step's loss may differ from the reference pa
 TRAIN_STEPS = 20
 GPT2_TOKENS = 50257
 SPLIT_TOKENS = {"train": 4_000_000, "val": 400_000}
+GRAPHS_ROWS = "res,mhclite"
 DRY_RUN = ["--batch_size", "1", "--block_size", "16", "--steps", "1", "--warmup", "0", "--vocab_size", "512"]
 
 
@@ -67,6 +77,11 @@ def part_commands(part, args, scratch):
             python, "bench.py", "--size", args.size, "--device", args.device, "--residuals", "res,hc,mhc,mhclite",
             "--path_rows", "mhclite", "--recompute", "off", "--compile_mode", "blocks", "--fused_connections", "both",
             "--stream_dtype", "both", *([] if at_m else DRY_RUN), "--json", os.path.join(args.out, "bench.json")])]
+    if part == "graphs":
+        return [("bench.py, CUDA graphs", [
+            python, "bench.py", "--size", args.size, "--device", args.device, "--residuals", GRAPHS_ROWS,
+            "--recompute", "off", "--compile", "on", "--compile_mode", "blocks", "--cuda_graphs", "both",
+            *([] if at_m else DRY_RUN), "--json", os.path.join(args.out, "graphs.json")])]
     write_random_data(os.path.join(scratch, "data"))
     shape = ([f"--max_iters={TRAIN_STEPS}", f"--eval_interval={TRAIN_STEPS}", "--batch_size=16", "--warmup_iters=5"]
              if at_m else ["--max_iters=4", "--eval_interval=4", "--batch_size=2", "--warmup_iters=1", "--n_layer=1",
@@ -94,10 +109,10 @@ def write_random_data(data_dir):
                        train_tokens=SPLIT_TOKENS["train"], val_tokens=SPLIT_TOKENS["val"]), f, indent=2)
 
 
-def run_part(part, args, scratch, log, env):
-    """Runs a part's commands until its limit, output appended to the log; returns its status."""
+def run_part(part, args, scratch, log, env, limit):
+    """Runs a part's commands for at most `limit` seconds, output appended to the log; returns its status."""
     log.write(f"\n## {part} ({datetime.datetime.now().isoformat(timespec='seconds')})\n")
-    deadline, failed = time.time() + LIMITS[part], []
+    deadline, failed = time.time() + limit, []
     for label, command in part_commands(part, args, scratch):
         print(f"gpu_check: {label}", flush=True)
         log.write(f"$ {' '.join(command)}\n")
@@ -109,8 +124,8 @@ def run_part(part, args, scratch, log, env):
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-            log.write(f"stopped at the part's limit of {LIMITS[part]} s\n")
-            return f"stopped at its limit ({LIMITS[part]} s)"
+            log.write(f"stopped at the part's limit of {limit} s\n")
+            return f"stopped at its limit ({limit} s)"
         log.write(f"exit code {code}\n")
         if code != 0:
             failed.append(f"{label} ({code})")
@@ -126,13 +141,24 @@ def read_json(path):
         return json.load(f)
 
 
-def bench_rows(out):
-    """{row: dict(ms, IQR ms, x res, tokens/s, peak MB, path, why)} of bench.py's JSON in OUT."""
-    path = os.path.join(out, "bench.json")
+def bench_rows(path):
+    """{row: dict(ms, IQR ms, x res, tokens/s, peak MB, path, why, losses)} of a bench.py JSON."""
     return {row: dict(ms=r["median_ms"], iqr_ms=r["iqr_ms"], x_res=r["time_ratio"], tokens_per_s=r["tokens_per_s"],
                       peak_mb=r["cuda_peak_bytes"] / 2**20 if r["cuda_peak_bytes"] else None,
-                      path=r["connections"]["path"], why=r["connections"]["why"])
+                      path=r["connections"]["path"], why=r["connections"]["why"], losses=r["losses"])
             for row, r in read_json(path)["variants"].items()} if os.path.isfile(path) else {}
+
+
+def graphs_rows(path):
+    """bench_rows of the graphs part, each "+graphs" row with the largest difference of a step's loss
+    from its row without graphs (the same weights and batches) and its time over plain res's."""
+    rows = bench_rows(path)
+    for row, r in rows.items():
+        plain = rows.get(row.removesuffix(GRAPHS_SUFFIX))
+        if row.endswith(GRAPHS_SUFFIX) and plain and len(plain["losses"]) == len(r["losses"]):
+            r["difference"] = max(abs(a - b) for a, b in zip(r["losses"], plain["losses"]))
+        r["x_plain_res"] = r["ms"] / rows["res"]["ms"] if "res" in rows else None
+    return rows
 
 
 def training(scratch):
@@ -181,6 +207,21 @@ def verdict(results):
                       f"whose every step's loss is within {LOSS_TOLERANCE:g} of the reference path's)", *out])
 
 
+def graphs_verdict(results):
+    """What CUDA graphs did for each variant of the graphs part: its time with them over without,
+    and whether every step's loss stayed within LOSS_TOLERANCE of the same variant's without."""
+    rows = results.get("graphs", {}).get("rows", {})
+    said = []
+    for row in GRAPHS_ROWS.split(","):
+        graphed, plain = rows.get(row + GRAPHS_SUFFIX), rows.get(row)
+        if not graphed or not plain:
+            continue
+        losses = ("its losses within " if graphed.get("difference", float("inf")) <= LOSS_TOLERANCE
+                  else "its losses NOT within ") + f"{LOSS_TOLERANCE:g} ({fmt(graphed.get('difference'), '.1e')})"
+        said.append(f"{row} {graphed['ms'] / plain['ms']:.2f} x its time without, {losses}")
+    return "; ".join(said) if said else "not measured: the graphs part did not finish"
+
+
 def summary(args, results):
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU dry run"
     parts = [[part, r["status"], f"{r['seconds'] / 60:.1f}", r.get("result", "-")] for part, r in results.items()]
@@ -190,24 +231,36 @@ def summary(args, results):
              fmt(r["tokens_per_s"], ",.0f"), fmt(r["peak_mb"], ",.0f"), f"{r['path']} ({r['why']})",
              fmt(runs.get(paths.get(row), {}).get("difference"), ".1e")]
             for row, r in results.get("bench", {}).get("rows", {}).items()]
+    graphs = [[row, fmt(r["ms"], ".1f"), fmt(r["iqr_ms"], ".1f"), fmt(r["x_res"], ".2f"), fmt(r["x_plain_res"], ".2f"),
+               fmt(r["tokens_per_s"], ",.0f"), fmt(r["peak_mb"], ",.0f"), fmt(r.get("difference"), ".1e")]
+              for row, r in results.get("graphs", {}).get("rows", {}).items()]
     return "\n\n".join([
         f"## GPU check: {name}, torch {torch.__version__}, triton {triton.__version__}, {datetime.date.today()} "
         f"(--device {args.device} --size {args.size}; logs in {args.out})",
         markdown_table(["part", "status", "minutes", "result"], parts),
         markdown_table(["row", "ms", "IQR ms", "x res", "tokens/s", "peak MB", "connections",
                         "max abs(loss - reference)"], rows),
-        f"**Verdict**: {verdict(results)}"])
+        "CUDA graphs (the reference path compiled block by block, fp32 streams; x res: over res run the same "
+        "way):",
+        markdown_table(["row", "ms", "IQR ms", "x res", "x res without graphs", "tokens/s", "peak MB",
+                        "max abs(loss - without graphs)"], graphs),
+        f"**Verdict**: {verdict(results)}",
+        f"**CUDA graphs**: {graphs_verdict(results)}"])
 
 
 def parse_args(argv):
+    limits = ", ".join(f"{p} {s / 60:g} min" for p, s in LIMITS.items())
     parser = OneLineParser(prog="python -m benchmarks.gpu_check", formatter_class=argparse.RawDescriptionHelpFormatter,
-                           description=__doc__.format(limits=", ".join(f"{p} {s / 60:g} min" for p, s in LIMITS.items()),
-                                                      steps=TRAIN_STEPS, tolerance=LOSS_TOLERANCE))
+                           description=__doc__.format(limits=limits, least=LEAST_PART_SECONDS, steps=TRAIN_STEPS,
+                                                      tolerance=LOSS_TOLERANCE))
     parser.add_argument("mode", nargs="?", default="quick", choices=["quick"], help="what to run (quick: all of it)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: the dry run (--size tiny)")
     parser.add_argument("--size", default="M", choices=["M", "tiny"], help="M: the paper's; tiny: a quick look")
     parser.add_argument("--out", default=os.path.join("out", "gpu_check"), help="results folder")
+    parser.add_argument("--budget", type=float, default=BUDGET, help="seconds for all parts together")
     args = parser.parse_args(argv)
+    if args.budget <= 0:
+        parser.error(f"--budget must be > 0 seconds, got {args.budget:g}")
     if args.device == "cpu" and args.size != "tiny":
         parser.error("the CPU dry run is --device cpu --size tiny")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -222,11 +275,15 @@ def main(argv=None):
                TORCHINDUCTOR_CACHE_DIR=os.environ.get("TORCHINDUCTOR_CACHE_DIR", os.path.abspath(".cache/inductor")),
                TRITON_CACHE_DIR=os.environ.get("TRITON_CACHE_DIR", os.path.abspath(".cache/triton")),
                **({} if args.device == "cuda" else {"TRITON_INTERPRET": "1"}))  # the interpreter on CPU only
-    log_path, results = os.path.join(args.out, "gpu_check.log"), {}
+    log_path, results, end = os.path.join(args.out, "gpu_check.log"), {}, time.time() + args.budget
     with tempfile.TemporaryDirectory(prefix="gpu_check-") as scratch, open(log_path, "w", encoding="utf-8") as log:
         for part in PARTS:
-            start = time.time()
-            status = run_part(part, args, scratch, log, env)
+            start, left = time.time(), round(end - time.time())
+            if left < LEAST_PART_SECONDS:
+                status = f"skipped: {max(left, 0)} s of the budget left"
+                log.write(f"\n## {part}: {status}\n")
+            else:
+                status = run_part(part, args, scratch, log, env, min(LIMITS[part], left))
             log.flush()
             if status != "ok":
                 print(f"gpu_check: {part}: {status}; gpu_check.log says why")
@@ -235,7 +292,9 @@ def main(argv=None):
                 with open(log_path, encoding="utf-8", errors="replace") as f:
                     results[part]["result"] = tests_result(f.read())  # the log holds only the tests so far
             elif part == "bench":
-                results[part]["rows"] = bench_rows(args.out)
+                results[part]["rows"] = bench_rows(os.path.join(args.out, "bench.json"))
+            elif part == "graphs":
+                results[part]["rows"] = graphs_rows(os.path.join(args.out, "graphs.json"))
             else:
                 results[part]["runs"] = training(scratch)
             with open(os.path.join(args.out, "results.json"), "w", encoding="utf-8") as f:

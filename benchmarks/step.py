@@ -7,10 +7,13 @@ Its command is the top-level bench.py:
     python bench.py --size tiny --device cpu --compile on --compile_mode both     # whole model vs block by block
     python bench.py --size S --device cpu --activation_checkpointing both         # what checkpointing costs and saves
     python bench.py --size M --recompute off --fused_connections both --stream_dtype both   # every connection path
+    python bench.py --size M --residuals res,mhclite --recompute off --cuda_graphs both    # with CUDA graphs
 
 Every variant lives in this one process. Round r runs one training step (train.py's) of every
 variant in an order rotated by r, and a variant's ratio is the median over rounds of its step time
 over its baseline's in the same round, so that drifts of a busy machine hit all variants alike.
+Every variant starts from the same seeded weights and takes the same batches in the same order, so
+the JSON's per-step losses of two ways to run one variant can be compared step by step.
 The columns and how each is measured: docs/benchmarks.md. Markdown to stdout, JSON to --json.
 """
 
@@ -36,6 +39,9 @@ from .common import (BLOCKS_SUFFIX, NUM_BATCHES, SHARED_FLAGS, BenchError, Varia
                      with_compile_modes, write_json)
 
 AC_SUFFIX = "+ac"  # the variant with activation checkpointing (parallelize.apply_ac)
+GRAPHS_SUFFIX = "+graphs"  # the variant compiled with inductor's CUDA graphs
+# What torch.compile(mode="reduce-overhead") sets; as an inductor option it leaves compile_model's own.
+CUDA_GRAPHS_OPTIONS = {"triton.cudagraphs": True}
 # With "both", the HC family's rows with the kernels or bf16 streams carry these suffixes.
 PATH_FLAGS = {"--fused_connections": "+fused", "--stream_dtype": "+bf16"}
 MEMORY_STEPS = 2  # steps measured for a variant's peak memory, after one warm-up step
@@ -74,8 +80,14 @@ def sweep_variants(n_values, k_values, recompute, shape, block_size, vocab_size,
 class Built:
     """A model, its optimizer and what a step calls (the model or its compiled form), built once."""
 
-    def __init__(self, model, optimizer, runner):
-        self.model, self.optimizer, self.runner = model, optimizer, runner
+    def __init__(self, model, optimizer, runner, cuda_graphs=False):
+        self.model, self.optimizer, self.runner, self.cuda_graphs = model, optimizer, runner, cuda_graphs
+
+    def step(self, x, y, ctx):
+        """One training step; its loss as a float."""
+        if self.cuda_graphs:  # a new iteration: the graphs may reuse the last step's outputs' memory
+            torch.compiler.cudagraph_mark_step_begin()
+        return train_step(self.runner, self.optimizer, x, y, ctx).item()
 
     def to(self, device):
         """Weights and optimizer state to device (the compiled code stays valid for its device)."""
@@ -117,10 +129,24 @@ def with_activation_checkpointing(configs, setting):
     return named, {name for name in named if name.endswith(AC_SUFFIX)}
 
 
+def with_cuda_graphs(configs, setting):
+    """({name: Variant}, names compiled with CUDA graphs): "on" for every variant, "both" adds
+    "<name>+graphs" next to each."""
+    if setting == "off":
+        return configs, set()
+    if setting == "on":
+        return configs, set(configs)
+    named = {}
+    for name, config in configs.items():
+        named[name], named[name + GRAPHS_SUFFIX] = config, config
+    return named, {name for name in named if name.endswith(GRAPHS_SUFFIX)}
+
+
 def same_kind_baselines(names, baseline):
-    """{name: the baseline run the same way}: res, with "+ac" and "/blocks" where the row has them."""
+    """{name: the baseline run the same way}: res, with "+ac", "+graphs" and "/blocks" where the row
+    has them."""
     bases = same_mode_baselines(names, baseline)
-    return {name: base.replace(baseline, baseline + AC_SUFFIX, 1) if AC_SUFFIX in name else base
+    return {name: base.replace(baseline, baseline + "".join(s for s in (AC_SUFFIX, GRAPHS_SUFFIX) if s in name), 1)
             for name, base in bases.items()}
 
 
@@ -182,7 +208,7 @@ def step_memory(variant, batches, ctx, device):
         synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-        train_step(variant.runner, variant.optimizer, x, y, ctx)
+        variant.step(x, y, ctx)
         synchronize(device)
         if i > 0:
             extra = max(extra, torch.cuda.max_memory_allocated(device) - base)
@@ -219,9 +245,10 @@ def to_host(variants, device):
         torch.cuda.empty_cache()
 
 
-def bench_models(configs, baselines, compile_modes, args, device, checkpointed=frozenset()):
-    """Time, tokens/s, MFU and memory of every variant, built and compiled once. On CUDA each variant's
-    memory is measured alone first; the timing then runs in as few groups as fit on the GPU."""
+def bench_models(configs, baselines, compile_modes, args, device, checkpointed=frozenset(), graphed=frozenset()):
+    """Time, tokens/s, MFU, memory and per-step losses of every variant, built and compiled once
+    (with CUDA graphs for the names in graphed). On CUDA each variant's memory is measured alone
+    first; the timing then runs in as few groups as fit on the GPU."""
     measure = measures_memory(device)
     batches = random_batches(NUM_BATCHES, args.batch_size, args.block_size, args.vocab_size, args.seed, device)
     ctx = autocast_context(args, device)[1]
@@ -230,26 +257,29 @@ def bench_models(configs, baselines, compile_modes, args, device, checkpointed=f
         model = build_models({name: configs[name]}, args.seed, device)[name]
         if name in checkpointed:
             apply_ac(model)
-        runner = compile_model(model, compile_modes[name]) if args.use_compile else model
-        variants[name] = Built(model, make_optimizer(model, device), runner)
+        options = {"options": dict(CUDA_GRAPHS_OPTIONS)} if name in graphed else {}
+        runner = compile_model(model, compile_modes[name], **options) if args.use_compile else model
+        variants[name] = Built(model, make_optimizer(model, device), runner, cuda_graphs=name in graphed)
         if measure:
             memory[name] = step_memory(variants[name], batches, ctx, device)
             to_host([variants[name]], device)
     budget = MEMORY_BUDGET_FRACTION * torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else math.inf
     groups = timing_groups(list(configs), baselines, memory, budget)
     tokens_per_step = args.batch_size * args.block_size
-    summary = {}
+    summary, losses = {}, {}
     for index, group in enumerate(groups):
         for name in group:
             variants[name].to(device)
 
-        def step_of(variant):
+        def step_of(name):
+            losses[name] = []  # a baseline timed again in a later group steps the same batches again
+
             def step(r):
-                train_step(variant.runner, variant.optimizer, *batches[r % len(batches)], ctx)
+                losses[name].append(variants[name].step(*batches[r % len(batches)], ctx))
             return step
 
         desc = "train steps" + (f", group {index + 1}/{len(groups)}" if len(groups) > 1 else "")
-        times = interleaved_times({name: step_of(variants[name]) for name in group}, args.warmup + args.steps,
+        times = interleaved_times({name: step_of(name) for name in group}, args.warmup + args.steps,
                                   args.warmup, device, desc)
         for name, row in summarise(times, baselines).items():
             if name in summary:
@@ -259,12 +289,13 @@ def bench_models(configs, baselines, compile_modes, args, device, checkpointed=f
             row.update(residual=config.residual, n_streams=config.n_streams, mhclite_perms=config.mhclite_perms,
                        recompute=variant.recompute_connections, stream_dtype=config.stream_dtype,
                        fused_connections=variant.fused_connections, compile_mode=compile_modes[name],
-                       activation_checkpointing=name in checkpointed,
+                       activation_checkpointing=name in checkpointed, cuda_graphs=name in graphed,
                        params=model.get_num_params(), timing_group=index, tokens_per_s=tokens_per_step / seconds,
                        mfu=model.estimate_mfu(tokens_per_step, seconds, args.peak) if args.peak else None,
                        saved_activation_bytes=saved_activation_bytes(model, *batches[0], ctx),
                        cuda_peak_bytes=sum(memory[name]) if measure else None,
-                       connections=connection_path(model, device, variant.fused_connections))
+                       connections=connection_path(model, device, variant.fused_connections),
+                       losses=losses[name])
             summary[name] = row
         if measure:
             to_host([variants[name] for name in group], device)
@@ -357,6 +388,10 @@ def parse_args(argv):
     parser.add_argument("--activation_checkpointing", default="off", choices=["off", "on", "both"],
                         help="recompute each block in backward (train.py's --activation_checkpointing); both: a "
                              "'+ac' row next to each variant")
+    parser.add_argument("--cuda_graphs", default="off", choices=["off", "on", "both"],
+                        help="compile with inductor's CUDA graphs (torch.compile's reduce-overhead): a step replays "
+                             "its recorded kernel launches; both: a '+graphs' row next to each variant, against res "
+                             "with CUDA graphs (on CPU, inductor compiles without them)")
     parser.add_argument("--path_rows", default="hc,mhc,mhclite",
                         help="the variants that get a row per connection path with --fused_connections both or "
                              "--stream_dtype both (the others: one row, on the first path)")
@@ -384,6 +419,9 @@ def resolve(args):
                          "run them without --n_sweep")
     if args.activation_checkpointing != "off" and args.n_sweep:
         raise BenchError("--activation_checkpointing compares the --residuals variants; run it without --n_sweep")
+    if args.cuda_graphs != "off" and (args.n_sweep or not args.use_compile):
+        raise BenchError("--cuda_graphs compares the --residuals variants compiled: run it with --compile on (the "
+                         "default on cuda) and without --n_sweep")
     args.peak = peak_flops(args, torch.device(args.device_type), args.dtype)
     if args.json is None:
         suffix = ("-compiled" if args.use_compile else "") + ("-sweep" if args.n_sweep else "")
@@ -400,27 +438,31 @@ def run(args, argv):
                               compile=args.use_compile, compile_mode=args.compile_mode, steps=args.steps,
                               warmup=args.warmup, recompute=args.recompute, stream_dtype=args.stream_dtype,
                               activation_checkpointing=args.activation_checkpointing,
-                              fused_connections=args.fused_connections, vocab_size=args.vocab_size,
+                              cuda_graphs=args.cuda_graphs, fused_connections=args.fused_connections, vocab_size=args.vocab_size,
                               seed=args.seed, peak_flops=args.peak)
     title = (f"{args.size} ({args.shape['n_layer']}L, {args.shape['n_embd']}d), batch {args.batch_size} x "
              f"{args.block_size}, {args.dtype}, {f'compiled ({args.compile_mode})' if args.use_compile else 'eager'}, "
              f"HC streams {args.stream_dtype}, fused connections {args.fused_connections}, "
+             f"{'' if args.cuda_graphs == 'off' else f'CUDA graphs {args.cuda_graphs}, '}"
              f"{result['device_name']}, torch {torch.__version__}, {args.steps} rounds after {args.warmup} warm-up")
     if args.n_sweep:
         configs, baselines = sweep_variants(args.n_sweep, args.k_sweep, args.recompute, stream_dtype=args.stream_dtype,
                                             fused_connections=args.fused_connections == "on", **common)
-        modes, checkpointed = {name: args.compile_mode for name in configs}, set()
+        modes, checkpointed, graphed = {name: args.compile_mode for name in configs}, set(), set()
         result.update(mode="n_sweep", baseline="mhc with the same n")
         heading, baseline_label = "n/K sweep: mhclite vs mhc", "mhc"
     else:
         configs, checkpointed = with_activation_checkpointing(
             path_variants(args, **common), args.activation_checkpointing)
+        configs, graphed = with_cuda_graphs(configs, args.cuda_graphs)
+        checkpointed = {name for name in configs if name.removesuffix(GRAPHS_SUFFIX) in checkpointed}
         configs, modes = with_compile_modes(configs, args.compile_modes if args.use_compile else COMPILE_MODES[:1])
         checkpointed = {name for name in configs if name.removesuffix(BLOCKS_SUFFIX) in checkpointed}
+        graphed = {name for name in configs if name.removesuffix(BLOCKS_SUFFIX) in graphed}
         baselines = same_kind_baselines(configs, "res")
         result.update(mode="variants", baseline="res")
         heading, baseline_label = "Training step", "res"
-    result["variants"] = bench_models(configs, baselines, modes, args, device, checkpointed)
+    result["variants"] = bench_models(configs, baselines, modes, args, device, checkpointed, graphed)
     print(f"## {heading}, {title}\n\n{model_table(result['variants'], baseline_label, cuda)}\n")
     print(connections_line(result["variants"]) + "\n")
     if args.activation_checkpointing == "both":

@@ -162,6 +162,9 @@ def test_checkpointing_rows_keep_less_and_compare_to_the_same_variant_without(tm
     (["--n_sweep", "6", "--k_sweep", "800"], "error: no mhclite permutation budget K <= 6! = 720"),
     (["--warmup", "-1"], "error: --warmup must be >= 0"),
     (["--path_rows", "mhclite,foo"], "error: unknown residual 'foo' in --path_rows"),
+    (["--cuda_graphs", "both"], "error: --cuda_graphs compares the --residuals variants compiled: run it with "
+                                "--compile on"),  # on CPU, compile is off unless asked for
+    (["--compile", "on", "--cuda_graphs", "on", "--n_sweep", "3"], "error: --cuda_graphs compares"),
     (["--no-micro"], "error: --no-micro moved out of bench.py: use python -m benchmarks.micro"),
     (["--micro"], "error: --micro moved out of bench.py: use python -m benchmarks.micro"),
 ])
@@ -228,6 +231,43 @@ def test_memory_probe_and_timing_share_one_compile_per_variant(monkeypatch, tmp_
     assert len(probed) == 4 and probed[0] > 0 and graph_counter.graphs == probed[-1]
     assert all(row["cuda_peak_bytes"] > row["params"] * 4 for row in rows.values())
     assert rows["mhclite/blocks"]["compile_mode"] == "blocks" and rows["mhclite/blocks"]["blocks_over_model"] > 0
+
+
+def test_cuda_graphs_rows_compile_with_them_and_compare_to_res_with_them(monkeypatch, tmp_path, graph_counter):
+    """--cuda_graphs both: a "+graphs" row next to each variant, compiled with inductor's CUDA graphs
+    and marking each step as a new iteration; its ratio is to res run the same way, and its losses
+    are the same variant's without (the same weights, the same batches in the same order)."""
+    torch._dynamo.reset()
+    compiled, step_marks = {}, []
+
+    def compile_spy(model, mode, **options):
+        compiled[model.config.residual] = compiled.get(model.config.residual, []) + [options]
+        return compile_model(model, mode, backend=graph_counter)  # traced as is: inductor's options left out
+
+    monkeypatch.setattr(bench, "compile_model", compile_spy)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: step_marks.append(1))
+    out = tmp_path / "bench.json"
+    bench.main(SMALL_FLAGS + ["--residuals", "res,mhclite", "--recompute", "off", "--compile", "on",
+                              "--compile_mode", "blocks", "--cuda_graphs", "both", "--json", str(out)])
+    result = json.loads(out.read_text())
+    rows = result["variants"]
+    assert list(rows) == ["res", "res+graphs", "mhclite", "mhclite+graphs"]
+    assert [r["cuda_graphs"] for r in rows.values()] == [False, True, False, True]
+    graphs = {"options": {"triton.cudagraphs": True}}
+    assert compiled == {"res": [{}, graphs], "mhclite": [{}, graphs]}
+    assert len(step_marks) == 2 * 3  # every step of the two graphed rows: 1 warm-up + 2 measured rounds
+    assert rows["res"]["time_ratio"] == rows["res+graphs"]["time_ratio"] == 1.0
+    for name in ("res", "mhclite"):
+        assert len(rows[name]["losses"]) == 3 and rows[name]["losses"] == rows[name + "+graphs"]["losses"]
+    assert rows["res"]["losses"] != rows["mhclite"]["losses"]
+    assert result["settings"]["cuda_graphs"] == "both"
+
+
+def test_each_row_is_compared_to_res_run_the_same_way():
+    names = ["res", "res+graphs", "mhclite+bf16+graphs", "mhclite+ac", "mhclite+ac+graphs/blocks", "hc/blocks"]
+    assert bench.same_kind_baselines(names, "res") == {
+        "res": "res", "res+graphs": "res+graphs", "mhclite+bf16+graphs": "res+graphs", "mhclite+ac": "res+ac",
+        "mhclite+ac+graphs/blocks": "res+ac+graphs/blocks", "hc/blocks": "res/blocks"}
 
 
 @pytest.mark.parametrize("flags, rows", [

@@ -1,5 +1,5 @@
 """python -m benchmarks.gpu_check: the CPU dry run of quick at tiny shapes (a GPU runs it at M), a part
-stopped at its limit, the verdict, the flags."""
+stopped at its limit, the budget, the verdicts, the flags."""
 
 import json
 import re
@@ -31,18 +31,21 @@ def run_check(out, capsys):
 @pytest.mark.slow
 def test_quick_dry_run_runs_every_part_and_judges_the_paths_that_ran(tmp_path, capsys):
     """On CPU the CUDA tests skip, bench.py runs the fused rows in Triton's interpreter, and train.py
-    takes the reference path whatever fused_connections says: the verdict leaves the kernels out."""
+    takes the reference path whatever fused_connections says: the verdict leaves the kernels out.
+    The graphs rows compile with inductor's CUDA graphs, which it leaves out on CPU."""
     out = tmp_path / "check"
     code, printed = run_check(out, capsys)
     summary = (out / "summary.md").read_text()
     assert code == 0, printed
     assert printed.rstrip().endswith(summary.rstrip())  # printed last
-    labels = ["CUDA tests", "bench.py, every path", *(f"train.py, {path}" for path in gpu_check.PATHS)]
+    labels = ["CUDA tests", "bench.py, every path", *(f"train.py, {path}" for path in gpu_check.PATHS),
+              "bench.py, CUDA graphs"]
     positions = [printed.index(f"gpu_check: {label}") for label in labels]
     assert positions == sorted(positions)
-    assert sorted(p.name for p in out.iterdir()) == ["bench.json", "gpu_check.log", "results.json", "summary.md"]
+    assert sorted(p.name for p in out.iterdir()) == ["bench.json", "gpu_check.log", "graphs.json", "results.json",
+                                                     "summary.md"]
     rows = summary_rows(summary)
-    assert [rows[part][1] for part in gpu_check.PARTS] == ["ok"] * 3
+    assert [rows[part][1] for part in gpu_check.PARTS] == ["ok"] * 4
     collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "cuda", "tests/test_cuda.py"],
                                capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
     selected = re.match(r"(\d+)", collected).group(1)  # "N tests collected" or "N/M tests collected (...)"
@@ -61,9 +64,17 @@ def test_quick_dry_run_runs_every_part_and_judges_the_paths_that_ran(tmp_path, c
     assert list(runs) == list(gpu_check.PATHS) and all(run["path"] == "reference" for run in runs.values())
     assert runs["reference"]["difference"] == runs["fused"]["difference"] == 0.0
     assert 0 < runs["reference + bf16 streams"]["difference"] == runs["fused + bf16 streams"]["difference"] < 1e-2
-    verdict = summary.splitlines()[-1]
+    verdict = next(line for line in summary.splitlines() if line.startswith("**Verdict**"))
     assert verdict.startswith("**Verdict**: run mhclite on this GPU with: reference")
     assert "fused: took the reference path (fused_connections=True but: " in verdict
+    # one more bench.py process: res and mhclite compiled with and without CUDA graphs
+    graphs = results["graphs"]["rows"]
+    assert list(graphs) == ["res", "res+graphs", "mhclite", "mhclite+graphs"]
+    assert graphs["res+graphs"]["x_res"] == graphs["res"]["x_res"] == graphs["res"]["x_plain_res"] == 1.0
+    assert graphs["res+graphs"]["difference"] == graphs["mhclite+graphs"]["difference"] == 0.0
+    assert summary.splitlines()[-1].startswith("**CUDA graphs**: res ")
+    assert f"mhclite {graphs['mhclite+graphs']['ms'] / graphs['mhclite']['ms']:.2f} x its time without, its losses " \
+           f"within 0.002 (0.0e+00)" in summary
 
 
 def test_a_part_stopped_at_its_limit_does_not_stop_the_next(tmp_path, capsys, monkeypatch):
@@ -74,11 +85,28 @@ def test_a_part_stopped_at_its_limit_does_not_stop_the_next(tmp_path, capsys, mo
     code, printed = run_check(out, capsys)
     assert code == 1
     rows = summary_rows((out / "summary.md").read_text())
-    assert [rows[part][1] for part in gpu_check.PARTS] == ["stopped at its limit (2 s)"] * 3
+    assert [rows[part][1] for part in gpu_check.PARTS] == ["stopped at its limit (2 s)"] * 4
     assert "**Verdict**: no verdict: the bench and train parts must both finish" in printed
-    assert (out / "gpu_check.log").read_text().count("stopped at the part's limit of 2 s") == 3
+    assert "**CUDA graphs**: not measured: the graphs part did not finish" in printed
+    assert (out / "gpu_check.log").read_text().count("stopped at the part's limit of 2 s") == 4
     running = [cmdline.read_bytes() for cmdline in Path("/proc").glob("[0-9]*/cmdline") if cmdline.is_file()]
     assert not [cmd for cmd in running if str(out).encode() in cmd]  # bench.py was stopped with its part
+
+
+def test_parts_stop_when_the_budget_runs_out(tmp_path, capsys, monkeypatch):
+    """A part gets at most what is left of --budget, and one left with less than LEAST_PART_SECONDS
+    is skipped: the summary still comes before the allocation's own limit does."""
+    monkeypatch.setattr(gpu_check, "LEAST_PART_SECONDS", 2)
+    out = tmp_path / "check"
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_check.main(["quick", "--device", "cpu", "--size", "tiny", "--out", str(out), "--budget", "3"])
+    assert exit_info.value.code == 1
+    rows = summary_rows((out / "summary.md").read_text())
+    assert rows["tests"][1] in ("ok", "stopped at its limit (3 s)")
+    assert [rows[part][1] for part in gpu_check.PARTS[2:]] == ["skipped: 0 s of the budget left"] * 2
+    assert rows["bench"][1] in ("stopped at its limit (3 s)", "stopped at its limit (2 s)",
+                                "skipped: 1 s of the budget left", "skipped: 0 s of the budget left")
+    assert "gpu_check: bench.py, CUDA graphs" not in capsys.readouterr().out
 
 
 def bench_row(x_res, path="reference", why="why"):
@@ -115,10 +143,28 @@ def test_the_verdict_picks_the_fastest_path_that_trains_as_the_reference_path_do
         assert text in verdict, verdict
 
 
+def graphs_row(ms, difference=None):
+    return dict(ms=ms, **({} if difference is None else {"difference": difference}))
+
+
+@pytest.mark.parametrize("rows, expected", [
+    ({"res": graphs_row(30.0), "res+graphs": graphs_row(24.0, 0.0), "mhclite": graphs_row(60.0),
+      "mhclite+graphs": graphs_row(45.0, 5e-4)},
+     "res 0.80 x its time without, its losses within 0.002 (0.0e+00); mhclite 0.75 x its time without, its losses "
+     "within 0.002 (5.0e-04)"),
+    ({"res": graphs_row(30.0), "res+graphs": graphs_row(33.0, 1e-2), "mhclite": graphs_row(60.0)},
+     "res 1.10 x its time without, its losses NOT within 0.002 (1.0e-02)"),
+    ({}, "not measured: the graphs part did not finish"),
+])
+def test_the_graphs_verdict_says_what_cuda_graphs_did_to_time_and_losses(rows, expected):
+    assert gpu_check.graphs_verdict({"graphs": {"rows": rows}}) == expected
+
+
 @pytest.mark.parametrize("argv, message", [
     (["benchmark"], "error: argument mode: invalid choice: 'benchmark'"),
     (["--device", "cpu", "--size", "M"], "error: the CPU dry run is --device cpu --size tiny"),
     (["--size", "XL"], "error: argument --size: invalid choice: 'XL'"),
+    (["--size", "tiny", "--budget", "0"], "error: --budget must be > 0 seconds, got 0"),
 ])
 def test_bad_input_is_one_error_line(argv, message, tmp_path, capsys):
     out = tmp_path / "check"
