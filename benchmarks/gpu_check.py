@@ -11,8 +11,9 @@ allocation; a part with less than {least} s of the budget left is skipped:
   tests   the CUDA tests (pytest -m cuda; on CPU they skip)
   bench   python bench.py in one process, interleaved: res, hc, mhc and mhclite on the reference path,
           and mhclite's other three paths (ms, IQR, x res, tokens/s, peak memory)
-  train   {steps} steps of train.py of mhclite on each path from the same seed, on random tokens: the
-          largest difference of a step's loss from the reference path's, and the path each run took
+  train   {steps} steps of train.py of mhclite on each path from the same seed, on random tokens, the
+          four runs at once: the largest difference of a step's loss from the reference path's, and
+          the path each run took
   graphs  python bench.py again for res and mhclite on the reference path, each compiled with and
           without inductor's CUDA graphs (most of a connection's compiled kernels are tiny, so their
           launches may cost more than their work), and each +graphs row's largest difference of a
@@ -45,6 +46,8 @@ PARTS = ("tests", "bench", "train", "graphs")
 LIMITS = {"tests": 150, "bench": 300, "train": 195, "graphs": 150}  # seconds
 BUDGET = 510  # seconds for all parts: inside the 9 minutes a short allocation's command gets
 LEAST_PART_SECONDS = 30  # a part with less of the budget left is skipped
+# Its commands run at once: train's runs check losses, not times, and compile on the CPU's cores meanwhile.
+CONCURRENT_PARTS = ("train",)
 # mhclite's paths: bench.py's row, train.py's flags.
 PATHS = {"reference": ("mhclite", []),
          "reference + bf16 streams": ("mhclite+bf16", ["--stream_dtype=bfloat16"]),
@@ -110,25 +113,35 @@ def write_random_data(data_dir):
 
 
 def run_part(part, args, scratch, log, env, limit):
-    """Runs a part's commands for at most `limit` seconds, output appended to the log; returns its status."""
+    """Runs a part's commands for at most `limit` seconds, one after another, or all at once for a
+    part in CONCURRENT_PARTS; their output goes to the log, a command's after it ends. Returns the
+    part's status."""
     log.write(f"\n## {part} ({datetime.datetime.now().isoformat(timespec='seconds')})\n")
-    deadline, failed = time.time() + limit, []
-    for label, command in part_commands(part, args, scratch):
-        print(f"gpu_check: {label}", flush=True)
-        log.write(f"$ {' '.join(command)}\n")
+    deadline, failed, commands = time.time() + limit, [], part_commands(part, args, scratch)
+    for batch in [commands] if part in CONCURRENT_PARTS else [[command] for command in commands]:
+        running = []
+        for label, command in batch:
+            print(f"gpu_check: {label}", flush=True)
+            output = tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace")
+            # its own process group, so that a stop also ends its children (pytest's workers)
+            running.append((label, command, output, subprocess.Popen(
+                command, stdout=output, stderr=subprocess.STDOUT, env=env, start_new_session=True)))
+        stopped = False
+        for label, command, output, process in running:
+            try:
+                code = process.wait(timeout=max(deadline - time.time(), 0))
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                code, stopped = process.wait(), True
+            output.seek(0)
+            log.write(f"$ {' '.join(command)}\n{output.read()}exit code {code}\n")
+            output.close()
+            if code != 0 and not stopped:
+                failed.append(f"{label} ({code})")
         log.flush()
-        # its own process group, so that a stop also ends its children (pytest's workers)
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            code = process.wait(timeout=max(deadline - time.time(), 0))
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        if stopped:
             log.write(f"stopped at the part's limit of {limit} s\n")
             return f"stopped at its limit ({limit} s)"
-        log.write(f"exit code {code}\n")
-        if code != 0:
-            failed.append(f"{label} ({code})")
     return f"failed: {', '.join(failed)}" if failed else "ok"
 
 

@@ -2,6 +2,7 @@
 stopped at its limit, the budget, the verdicts, the flags."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -107,6 +108,28 @@ def test_parts_stop_when_the_budget_runs_out(tmp_path, capsys, monkeypatch):
     assert rows["bench"][1] in ("stopped at its limit (3 s)", "stopped at its limit (2 s)",
                                 "skipped: 1 s of the budget left", "skipped: 0 s of the budget left")
     assert "gpu_check: bench.py, CUDA graphs" not in capsys.readouterr().out
+
+
+def test_the_train_part_runs_its_commands_at_once_and_the_others_in_turn(tmp_path, monkeypatch):
+    """Two commands that each wait for the other's file end only when run at the same time: they do
+    in train (its runs check losses, not times), and are stopped at the limit in a part run in turn.
+    Each command's output reaches the log whole, after the command."""
+    def waiting(mine, theirs):
+        return (mine, [sys.executable, "-c", f"import os, time; open({str(tmp_path / mine)!r}, 'w').close(); "
+                       f"print('{mine} starts'); [time.sleep(0.05) for _ in iter(lambda: os.path.exists("
+                       f"{str(tmp_path / theirs)!r}), True)]; print('{mine} ends')"])
+
+    monkeypatch.setattr(gpu_check, "part_commands", lambda part, args, scratch: [waiting("a", "b"), waiting("b", "a")])
+    env = dict(os.environ)
+    with open(tmp_path / "train.log", "w+", encoding="utf-8") as log:
+        assert gpu_check.run_part("train", None, str(tmp_path), log, env, limit=60) == "ok"
+        log.seek(0)
+        assert "a starts\na ends\nexit code 0\n$ " in log.read()
+    for name in "ab":
+        (tmp_path / name).unlink()
+    with open(tmp_path / "bench.log", "w+", encoding="utf-8") as log:
+        assert gpu_check.run_part("bench", None, str(tmp_path), log, env, limit=3) == "stopped at its limit (3 s)"
+    assert not (tmp_path / "b").exists()  # the second command never started
 
 
 def bench_row(x_res, path="reference", why="why"):
