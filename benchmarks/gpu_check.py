@@ -19,7 +19,8 @@ allocation; a part with less than {least} s of the budget left is skipped:
           launches may cost more than their work), and each +graphs row's largest difference of a
           step's loss from the same variant's without
 The verdict closes the summary: the fastest path whose every step's loss is within {tolerance:g} of the
-reference path's, then what CUDA graphs did. OUT (--out, default out/gpu_check) holds summary.md,
+reference path's; then the paper's throughput ordering (mhclite above hc, mhc below hc), the fused
+kernels' step time over the compiled path's, and what CUDA graphs did. OUT (--out, default out/gpu_check) holds summary.md,
 gpu_check.log (every command and its output), results.json, bench.json and graphs.json; training
 runs and their data go to a temporary folder. Exit code 1 if a part failed, was stopped or was
 skipped, 2 for bad flags.
@@ -53,6 +54,7 @@ PATHS = {"reference": ("mhclite", []),
          "reference + bf16 streams": ("mhclite+bf16", ["--stream_dtype=bfloat16"]),
          "fused": ("mhclite+fused", ["--fused_connections=True"]),
          "fused + bf16 streams": ("mhclite+fused+bf16", ["--fused_connections=True", "--stream_dtype=bfloat16"])}
+PATHS_BY_ROW = {row: path for path, (row, _) in PATHS.items()}
 LOSS_TOLERANCE = 2e-3  # the most a step's loss may differ from the reference path's
 TRAIN_STEPS = 20
 GPT2_TOKENS = 50257
@@ -220,6 +222,30 @@ def verdict(results):
                       f"whose every step's loss is within {LOSS_TOLERANCE:g} of the reference path's)", *out])
 
 
+def throughput_ordering(results):
+    """The paper's token-throughput claim (M, plain PyTorch): mhclite above hc, mhc below hc; here on
+    the compiled reference path with fp32 streams."""
+    rows = results.get("bench", {}).get("rows", {})
+    if not all(name in rows for name in ("hc", "mhc", "mhclite")):
+        return "not measured: the bench part did not finish"
+    tokens = {name: rows[name]["tokens_per_s"] for name in ("mhclite", "hc", "mhc")}
+    return (", ".join(f"{name} {value:,.0f}" for name, value in tokens.items()) + " tokens/s: mhclite above hc "
+            + ("holds" if tokens["mhclite"] > tokens["hc"] else "does not hold") + ", mhc below hc "
+            + ("holds" if tokens["mhc"] < tokens["hc"] else "does not hold"))
+
+
+def kernels_against_compiled(results):
+    """The fused kernels' step time over the reference path's with the same stream dtype, where the
+    kernels ran: the figure that decides whether they stay (at least 5% faster) or go."""
+    rows, said = results.get("bench", {}).get("rows", {}), []
+    for fused, compiled in (("mhclite+fused", "mhclite"), ("mhclite+fused+bf16", "mhclite+bf16")):
+        if fused in rows and compiled in rows:
+            took = rows[fused]["path"] == "fused"
+            said.append(f"{PATHS_BY_ROW[fused]} {rows[fused]['ms'] / rows[compiled]['ms']:.2f} x "
+                        f"{PATHS_BY_ROW[compiled]}" if took else f"{PATHS_BY_ROW[fused]} did not run the kernels")
+    return "; ".join(said) if said else "not measured: the bench part did not finish"
+
+
 def graphs_verdict(results):
     """What CUDA graphs did for each variant of the graphs part: its time with them over without,
     and whether every step's loss stayed within LOSS_TOLERANCE of the same variant's without."""
@@ -238,11 +264,10 @@ def graphs_verdict(results):
 def summary(args, results):
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU dry run"
     parts = [[part, r["status"], f"{r['seconds'] / 60:.1f}", r.get("result", "-")] for part, r in results.items()]
-    paths = {row: path for path, (row, _) in PATHS.items()}
     runs = results.get("train", {}).get("runs", {})
-    rows = [[paths.get(row, row), fmt(r["ms"], ".1f"), fmt(r["iqr_ms"], ".1f"), fmt(r["x_res"], ".2f"),
+    rows = [[PATHS_BY_ROW.get(row, row), fmt(r["ms"], ".1f"), fmt(r["iqr_ms"], ".1f"), fmt(r["x_res"], ".2f"),
              fmt(r["tokens_per_s"], ",.0f"), fmt(r["peak_mb"], ",.0f"), f"{r['path']} ({r['why']})",
-             fmt(runs.get(paths.get(row), {}).get("difference"), ".1e")]
+             fmt(runs.get(PATHS_BY_ROW.get(row), {}).get("difference"), ".1e")]
             for row, r in results.get("bench", {}).get("rows", {}).items()]
     graphs = [[row, fmt(r["ms"], ".1f"), fmt(r["iqr_ms"], ".1f"), fmt(r["x_res"], ".2f"), fmt(r["x_plain_res"], ".2f"),
                fmt(r["tokens_per_s"], ",.0f"), fmt(r["peak_mb"], ",.0f"), fmt(r.get("difference"), ".1e")]
@@ -258,6 +283,8 @@ def summary(args, results):
         markdown_table(["row", "ms", "IQR ms", "x res", "x res without graphs", "tokens/s", "peak MB",
                         "max abs(loss - without graphs)"], graphs),
         f"**Verdict**: {verdict(results)}",
+        f"**The paper's throughput ordering** (the bench's reference path, fp32 streams): {throughput_ordering(results)}",
+        f"**Kernels against the compiled path** (step time): {kernels_against_compiled(results)}",
         f"**CUDA graphs**: {graphs_verdict(results)}"])
 
 

@@ -14,7 +14,7 @@ import torch
 from benchmarks import gpu_check
 from conftest import one_error_line
 
-ROWS = {row: path for path, (row, _) in gpu_check.PATHS.items()}
+ROWS = gpu_check.PATHS_BY_ROW
 
 
 def summary_rows(text):
@@ -74,6 +74,10 @@ def test_quick_dry_run_runs_every_part_and_judges_the_paths_that_ran(tmp_path, c
     assert graphs["res+graphs"]["x_res"] == graphs["res"]["x_res"] == graphs["res"]["x_plain_res"] == 1.0
     assert graphs["res+graphs"]["difference"] == graphs["mhclite+graphs"]["difference"] == 0.0
     assert summary.splitlines()[-1].startswith("**CUDA graphs**: res ")
+    assert f"ordering** (the bench's reference path, fp32 streams): mhclite {bench['mhclite']['tokens_per_s']:,.0f}, " \
+           f"hc {bench['hc']['tokens_per_s']:,.0f}, mhc {bench['mhc']['tokens_per_s']:,.0f} tokens/s" in summary
+    kernels = bench["mhclite+fused"]["ms"] / bench["mhclite"]["ms"]  # in Triton's interpreter here
+    assert f"**Kernels against the compiled path** (step time): fused {kernels:.2f} x reference; " in summary
     assert f"mhclite {graphs['mhclite+graphs']['ms'] / graphs['mhclite']['ms']:.2f} x its time without, its losses " \
            f"within 0.002 (0.0e+00)" in summary
 
@@ -164,6 +168,25 @@ def test_the_verdict_picks_the_fastest_path_that_trains_as_the_reference_path_do
     verdict = gpu_check.verdict(results)
     for text in expected:
         assert text in verdict, verdict
+
+
+@pytest.mark.parametrize("tokens, expected", [
+    ((300.0, 200.0, 100.0), "mhclite 300, hc 200, mhc 100 tokens/s: mhclite above hc holds, mhc below hc holds"),
+    ((190.0, 200.0, 210.0), "mhclite 190, hc 200, mhc 210 tokens/s: mhclite above hc does not hold, mhc below hc "
+                            "does not hold"),
+])
+def test_the_papers_throughput_ordering_is_reported_as_measured(tokens, expected):
+    rows = {name: dict(tokens_per_s=value) for name, value in zip(("mhclite", "hc", "mhc"), tokens)}
+    assert gpu_check.throughput_ordering({"bench": {"rows": rows}}) == expected
+    assert gpu_check.throughput_ordering({}) == "not measured: the bench part did not finish"
+
+
+def test_the_kernels_are_compared_with_the_compiled_path_of_the_same_stream_dtype():
+    rows = results_with(fused_x_res=1.8)["bench"]["rows"]
+    assert gpu_check.kernels_against_compiled({"bench": {"rows": rows}}) == (
+        "fused 1.20 x reference; fused + bf16 streams 0.89 x reference + bf16 streams")
+    rows["mhclite+fused"]["path"] = "reference"
+    assert gpu_check.kernels_against_compiled({"bench": {"rows": rows}}).startswith("fused did not run the kernels; ")
 
 
 def graphs_row(ms, difference=None):
