@@ -1,4 +1,4 @@
-"""Train a GPT with a switchable residual connection: res, hc, mhc or mhclite.
+"""Train a GPT with a switchable residual connection: res, hc, mhc, mhclite, kromhc or ihc.
 
 One GPU or CPU:  python train.py configs/owt.py configs/S.py configs/mhclite.py
 8 GPUs (DDP):    torchrun --standalone --nproc_per_node=8 train.py configs/owt.py configs/M.py configs/mhc.py

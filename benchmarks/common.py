@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from devices import synchronize
-from model import GPT, GPT2_PADDED_VOCAB, STREAM_DTYPES, GPTConfig, model_shape
+from model import GPT, GPT2_PADDED_VOCAB, GPTConfig, model_shape
 from parallelize import apply_connection_recompute, apply_fused_connections
 from residuals import RESIDUALS
 
@@ -173,14 +173,6 @@ SHARED_FLAGS = {
     "--warmup": dict(type=int, default=3, help="unmeasured rounds first"),
     "--seed": dict(type=int, default=0, help="of the models' init and the random data"),
 }
-
-
-def stream_dtype_list(text):
-    """The stream dtypes of a comma-separated --stream_dtypes (or raises BenchError)."""
-    dtypes = [d.strip() for d in text.split(",") if d.strip()]
-    if not dtypes or any(d not in STREAM_DTYPES for d in dtypes):
-        raise BenchError(f"--stream_dtypes must name some of {', '.join(STREAM_DTYPES)}, got '{text}'")
-    return dtypes
 
 
 def add_shared_flag(parser, flag):

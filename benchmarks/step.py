@@ -272,7 +272,7 @@ def bench_models(configs, baselines, compile_modes, args, device, checkpointed=f
             variants[name].to(device)
 
         def step_of(name):
-            losses[name] = []  # a baseline timed again in a later group steps the same batches again
+            losses[name] = []  # anew per group: a baseline timed again keeps its first group's row
 
             def step(r):
                 losses[name].append(variants[name].step(*batches[r % len(batches)], ctx))

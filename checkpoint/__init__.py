@@ -22,7 +22,12 @@ from checkpoint.files import CheckpointError, Damaged, load_checkpoint, remove_s
 from checkpoint.manager import (CheckpointManager, SaveError, checkpoint_bytes, disk_bytes, has_checkpoint,
                                 low_space_warning, run_checkpoints, save_failure_line)
 from checkpoint.owner import RunOwner
-from checkpoint.reading import find_checkpoint, load_weights, main, read_checkpoint, verify_run
+from checkpoint.reading import find_checkpoint, load_weights, main, read_checkpoint
 from checkpoint.resume import model_args
 from checkpoint.sharded import load_sharded_run
 from checkpoint.states import ModelState, OptimizerState, RNGState, TrainState
+
+__all__ = ["CheckpointError", "CheckpointManager", "Damaged", "ModelState", "OptimizerState", "RNGState", "RunOwner",
+           "SaveError", "TrainState", "checkpoint_bytes", "disk_bytes", "find_checkpoint", "has_checkpoint",
+           "load_checkpoint", "load_sharded_run", "load_weights", "low_space_warning", "main", "model_args",
+           "read_checkpoint", "remove_stale_temp_files", "run_checkpoints", "save_checkpoint", "save_failure_line"]

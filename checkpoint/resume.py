@@ -15,8 +15,8 @@ KEPT_ON_RESUME = {"seed": "the eval batches and the model's seeded choices",
 # Settings a resume takes from this run, saying so: the optimizer's, the schedule's and the batch's.
 APPLIED_ON_RESUME = ("learning_rate", "min_lr", "warmup_iters", "weight_decay", "beta1", "beta2", "grad_clip",
                      "batch_size", "gradient_accumulation_steps", "eval_iters")
-# Keys that the model_args of checkpoints written before the execution settings left the model's
-# settings hold: how that model ran (parallelize.py applies them now), not what it is.
+# Keys that some checkpoints' model_args hold: how that model ran, which parallelize.py applies
+# from the run's settings, not what the model is; a load drops them.
 LEGACY_MODEL_ARGS = ("fused_connections", "recompute_connections")
 # Model settings that no flag sets: the data's vocabulary, and the init seed that comes with --seed.
 DERIVED_MODEL_ARGS = ("vocab_size", "init_stream_seed")

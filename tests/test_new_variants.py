@@ -231,6 +231,40 @@ def test_v4s_epsilons_move_h_res_by_order_one_once_the_logits_spread_wide():
     torch.testing.assert_close(rec_paper["h_res"], sinkhorn(rec_paper["logits"]))
 
 
+def transformers_v4_connection(module, eps):
+    """transformers' DeepseekV4HyperConnection (skipped where transformers has no DeepSeek-V4) in float64,
+    holding module's weights in its layout: fn = our projection with the norm gain folded in, rows
+    [pre | post | comb], comb[source, target] at row 2n + s n + t (our h_res[target, source] at 2n + t n + s);
+    base = [b_pre | b_post | b_res transposed]; scale = [s_pre, s_post, s_res]."""
+    deepseek_v4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
+    n = module.n_streams
+    config = deepseek_v4.DeepseekV4Config(hc_mult=n, hidden_size=module.width, hc_eps=eps, hc_sinkhorn_iters=20,
+                                          rms_norm_eps=residuals.RMS_EPS)
+    theirs = deepseek_v4.DeepseekV4HyperConnection(config).double()
+    pre, post, res = module.projection_weight().detach().split([n, n, n * n])
+    with torch.no_grad():
+        theirs.fn.copy_(torch.cat([pre, post, res.unflatten(0, (n, n)).transpose(0, 1).flatten(0, 1)]))
+        theirs.base.copy_(torch.cat([module.bias_pre, module.bias_post, module.bias_res.view(n, n).t().flatten()]))
+        theirs.scale.copy_(torch.stack([module.scale_pre, module.scale_post, module.scale_res]))
+    return theirs
+
+
+@pytest.mark.parametrize("eps, scale", [(1e-6, 0.5), (1e-6, 3.0), (1e-6, 30.0), (0.0, 3.0)])
+def test_mhc_equals_transformers_deepseek_v4_hyper_connection_in_float64(eps, scale, monkeypatch):
+    """An implementation that is not ours: transformers' port of DeepSeek-V4's mHC computes our mhc with
+    mhc_eps = its hc_eps (with hc_eps = 0, the paper's mhc), also once the logits spread wide. Its output
+    streams are comb^T x + post f(collapsed); its .float() casts are made identities to stay in float64."""
+    module = randomise(ManifoldHyperConnection(8, 4, 1, mhc_eps=eps), scale=scale).double()
+    theirs = transformers_v4_connection(module, eps)
+    x = stream_state(b=2, t=3).double()
+    monkeypatch.setattr(torch.Tensor, "float", lambda tensor: tensor)
+    post, comb, collapsed = theirs(x)
+    monkeypatch.undo()
+    expected = comb.transpose(-1, -2) @ x + post.unsqueeze(-1) * branch(collapsed).unsqueeze(-2)
+    assert expected.dtype == torch.float64
+    torch.testing.assert_close(module(x, branch), expected, rtol=0, atol=1e-12)
+
+
 def test_v4_epsilons_refuse_the_authors_sinkhorn_in_one_line():
     for setting in (dict(sinkhorn_order="rows_then_cols"), dict(mixing_dtype="autocast")):
         with pytest.raises(ValueError, match="does not combine with the authors'"):
