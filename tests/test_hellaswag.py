@@ -3,13 +3,12 @@ scores against an independent per-sequence computation, results in the run direc
 import json
 import math
 import subprocess
-import sys
 
 import pytest
 import torch
 
 from analysis import hellaswag
-from conftest import HELLASWAG_FIXTURE, one_error_line
+from conftest import HELLASWAG_FIXTURE, one_error_line, run_script
 import sample
 from sample import load_model
 
@@ -66,13 +65,9 @@ def test_characters_outside_a_char_vocabulary_are_dropped_and_counted(hellaswag_
     assert results["dropped_characters"] == 2  # "3" and "#"
 
 
-def run_cli(*args):
-    return subprocess.run([sys.executable, "analysis/hellaswag.py", *args], capture_output=True, text=True)
-
-
 def test_the_command_writes_the_results_into_the_run_directory(hellaswag_runs):
-    result = run_cli(f"--out_dir={hellaswag_runs['hc']}", f"--data={HELLASWAG_FIXTURE}", "--device=cpu",
-                     "--limit=6")
+    result = run_script("analysis/hellaswag.py", f"--out_dir={hellaswag_runs['hc']}", f"--data={HELLASWAG_FIXTURE}",
+                        "--device=cpu", "--limit=6")
     assert result.returncode == 0, result.stderr
     results = json.loads((hellaswag_runs["hc"] / "hellaswag.json").read_text())
     assert results["items"] == 6 and len(results["per_item"]) == 6 and results["limit"] == 6

@@ -6,8 +6,6 @@ HellaSwag fixture as analysis/hellaswag.py does; one-line errors."""
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,7 +14,7 @@ import export_hf
 import sample
 from analysis import hellaswag
 from checkpoint import load_checkpoint, save_checkpoint
-from conftest import FIXTURE_RUNS, HELLASWAG_FIXTURE, one_error_line
+from conftest import FIXTURE_RUNS, HELLASWAG_FIXTURE, load_export, one_error_line, run_script
 from model import GPTConfig
 from sample import load_model
 
@@ -29,13 +27,6 @@ def exports(hellaswag_runs, tmp_path_factory):
     """{run name: export folder}."""
     root = tmp_path_factory.mktemp("exports")
     return {name: export_hf.export(str(run), str(root / name)) for name, run in hellaswag_runs.items()}
-
-
-def load_export(folder):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
-    return model.eval(), AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
 
 
 def test_the_folder_is_self_contained(exports):
@@ -183,10 +174,6 @@ def test_lm_evaluation_harness_scores_the_export_as_we_score_the_run(hellaswag_r
         assert summary[f"{key}_stderr,none"] == pytest.approx(ours[f"{key}_stderr"])
 
 
-def run_cli(*args):
-    return subprocess.run([sys.executable, "export_hf.py", *args], capture_output=True, text=True)
-
-
 def test_an_existing_folder_needs_force_and_bad_input_is_one_error_line(hellaswag_runs, exports, tmp_path, capsys):
     import shutil
 
@@ -202,7 +189,7 @@ def test_an_existing_folder_needs_force_and_bad_input_is_one_error_line(hellaswa
                            "no run directory")):
         one_error_line(export_hf.main, args, capsys, message)
     assert "keep.txt" in os.listdir(earlier) and os.listdir(other) == ["notes.txt"]
-    result = run_cli(run, f"--export_dir={earlier}", "--force")
+    result = run_script("export_hf.py", run, f"--export_dir={earlier}", "--force")
     assert result.returncode == 0, result.stderr
     assert "keep.txt" not in os.listdir(earlier)
     assert json.loads((earlier / "config.json").read_text())["residual"] == "hc"

@@ -6,25 +6,13 @@ import torch
 
 import sample
 from benchmarks import kv_cache
-from model import GPT, GPTConfig
+from conftest import random_model
 from sample import KVCache
 
 VARIANTS = ("res", "hc", "mhc", "mhclite")
-BLOCK = 16
+BLOCK = 16  # random_model's block_size
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def random_model(residual, n_streams=4, **options):
-    """A small fp32 model whose every parameter is drawn (not the identity-like init of the
-    connections), so that the streams mix and the greedy choices are far from ties."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=BLOCK, vocab_size=48, n_layer=2, n_head=4, n_embd=32, residual=residual,
-                          n_streams=n_streams, **options))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.3)
-    return model.eval()
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -1,23 +1,20 @@
 """GPT with switchable residuals: nanoGPT equivalence, hc == res at init, gradients, sizes, compile."""
 
+import functools
+
 import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
 
 import parallelize
+from conftest import random_tokens, tiny_config
 from model import GPT, GPTConfig, model_shape
 from parallelize import compile_model, cpu_inductor_options, shares_compiled_sinkhorn
 from residuals import capture_connections
 
 VOCAB, BLOCK = 97, 32
-
-
-def tiny(residual="res", **overrides):
-    return GPTConfig(block_size=BLOCK, vocab_size=VOCAB, residual=residual, **{**model_shape("tiny"), **overrides})
-
-
-def tokens(b=2, t=BLOCK, seed=0):
-    return torch.randint(0, VOCAB, (b, t), generator=torch.Generator().manual_seed(seed))
+tiny = functools.partial(tiny_config, vocab_size=VOCAB, block_size=BLOCK)  # tiny(residual, **overrides)
+tokens = functools.partial(random_tokens, VOCAB, BLOCK, 2)  # tokens(seed=0): (2, BLOCK)
 
 
 def test_res_block_is_nanogpt_block_bit_for_bit():
@@ -111,7 +108,7 @@ def test_parameter_counts_match_paper_sizes(size, expected):
     assert counts["mhclite"]["total"] - counts["mhc"]["total"] == (24 - 16) * per_column
 
 
-def test_weight_decay_groups_follow_spec():
+def test_weight_decay_groups_follow_nanogpts_rule():
     model = GPT(tiny("hc"))
     decay, no_decay = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu").param_groups
     names = {id(p): n for n, p in model.named_parameters()}

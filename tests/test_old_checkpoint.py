@@ -15,12 +15,12 @@ import torch
 import export_hf
 import sample
 import train
-from test_train import read_metrics
+from conftest import read_metrics
 
 FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "run_0d41fda")
 
 
-def run_args(data_dir, out_dir, **overrides):
+def fixture_run_args(data_dir, out_dir, **overrides):
     """The fixture run's command line, from its config.json, onto this test's folders."""
     with open(os.path.join(FIXTURE, "config.json")) as f:
         saved = json.load(f)
@@ -50,7 +50,7 @@ def test_the_fixture_predates_the_split_of_execution_settings():
 
 
 def test_an_old_checkpoint_resumes_on_the_old_code_s_own_trajectory(old_run, data_dir):
-    train.main(run_args(data_dir, str(old_run), init_from="resume"))
+    train.main(fixture_run_args(data_dir, str(old_run), init_from="resume"))
     train_records, eval_records = read_metrics(old_run)
     with open(os.path.join(FIXTURE, "metrics_after_step_4.jsonl")) as f:
         expected = [json.loads(line) for line in f]

@@ -6,45 +6,17 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import randomise
+from conftest import (ReducedPrecisionMatmuls, assert_doubly_stochastic, branch, connection_gradcheck, forward_and_grads,
+                      randomise, reference_manifold, rms_norm, stream_state)
 
 import residuals
 from residuals import (RESIDUALS, HyperConnection, ManifoldHyperConnection, ManifoldHyperConnectionLite,
                        capture_connections, permutation_matrices, permutations, sinkhorn)
 
 
-def branch(u):
-    return torch.tanh(u) * 0.5 + 0.1  # a stand-in sublayer: any (B, T, C) -> (B, T, C)
-
-
-def stream_state(b=2, t=5, n=4, c=8, seed=1):
-    return torch.randn(b, t, n, c, generator=torch.Generator().manual_seed(seed))
-
-
-def rms_norm(x, gain):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * gain
-
-
 # ----------------------------------------------------------------------------------------------
-# Literal transcriptions of the paper's equations (Sec. 2 and 3.2), one token at a time, as the reference.
-
-
-def reference_manifold(module, x, h_res_fn):
-    n, c = module.n_streams, module.width
-    w_pre, w_post, w_res = module.proj.weight.split([n, n, module.res_logits], dim=0)
-    out = torch.empty_like(x)
-    for b in range(x.shape[0]):
-        for t in range(x.shape[1]):
-            xl = x[b, t]
-            xh = rms_norm(xl.reshape(n * c), module.norm_gain)
-            h_pre = torch.sigmoid(module.scale_pre * (xh @ w_pre.t()) + module.bias_pre)
-            h_post = 2 * torch.sigmoid(module.scale_post * (xh @ w_post.t()) + module.bias_post)
-            h_res = h_res_fn(module.scale_res * (xh @ w_res.t()) + module.bias_res)
-            u = sum(h_pre[i] * xl[i] for i in range(n))
-            fu = branch(u)
-            for i in range(n):
-                out[b, t, i] = sum(h_res[i, j] * xl[j] for j in range(n)) + h_post[i] * fu
-    return out
+# Literal transcriptions of the paper's equations (Sec. 2 and 3.2), one token at a time, as the reference
+# (mhc's and mhclite's: conftest.reference_manifold).
 
 
 def reference_hc(module, x):
@@ -64,14 +36,14 @@ def reference_hc(module, x):
     return out
 
 
-def test_mhc_matches_spec_formulas():
+def test_mhc_matches_paper_formulas():
     module = randomise(ManifoldHyperConnection(8, 4, 1), scale=0.3)
     x = stream_state()
     expected = reference_manifold(module, x, lambda z: sinkhorn(z.view(4, 4), 20))
     torch.testing.assert_close(module(x, branch), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_mhclite_matches_spec_formulas():
+def test_mhclite_matches_paper_formulas():
     module = randomise(ManifoldHyperConnectionLite(8, 4, 2), scale=0.3)
     x = stream_state()
     P = permutation_matrices(permutations(4))
@@ -79,7 +51,7 @@ def test_mhclite_matches_spec_formulas():
     torch.testing.assert_close(module(x, branch), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_hc_matches_spec_formulas():
+def test_hc_matches_paper_formulas():
     module = randomise(HyperConnection(8, 4, 3), scale=0.3)
     x = stream_state()
     torch.testing.assert_close(module(x, branch), reference_hc(module, x), rtol=1e-5, atol=1e-5)
@@ -90,14 +62,8 @@ def test_gradients_match_finite_differences(residual):
     """The hand-written backward of the fused RMSNorm projection, and the rest of the path,
     against numerical derivatives for x and every parameter (float64)."""
     module = randomise(RESIDUALS[residual](6, 3, 1), scale=0.3).double()
-    names = [name for name, _ in module.named_parameters()]
     x = stream_state(b=2, t=3, n=3, c=6).double().requires_grad_()
-
-    def forward(x, *params):
-        return torch.func.functional_call(module, dict(zip(names, params)), (x, branch))
-
-    params = [p.detach().clone().requires_grad_() for p in module.parameters()]
-    assert torch.autograd.gradcheck(forward, (x, *params))
+    assert connection_gradcheck(module, x)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -112,48 +78,12 @@ def mhclite_h_res(n=4, c=16, scale=100.0, autocast=False, seed=0, **kwargs):
     return records[0]["h_res"].reshape(-1, n, n)
 
 
-def assert_doubly_stochastic(h, tol=1e-6):
-    assert h.dtype == torch.float32
-    assert (h >= 0).all()
-    assert (h.sum(-1) - 1).abs().max().item() < tol
-    assert (h.sum(-2) - 1).abs().max().item() < tol
-
-
 @pytest.mark.parametrize("autocast", [False, True])
 def test_mhclite_h_res_doubly_stochastic_for_large_logits(autocast):
     h = mhclite_h_res(scale=100.0, autocast=autocast)
     assert_doubly_stochastic(h)
     # Large logits really do make the weights peaky, so this is not the near-identity init.
     assert h.amax(dim=(-1, -2)).min() < 0.999 or h.std() > 0.1
-
-
-class ReducedPrecisionMatmuls(TorchDispatchMode):
-    """Emulates TF32 (or bf16) float32 matmuls on a CPU: every float32 operand of a matmul-family
-    op is rounded to `mantissa_bits` bits (round to nearest even) before the exact product, which is
-    what tensor cores do with TF32 (10 bits) operands. Everything else runs unchanged."""
-
-    OPS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default,
-           torch.ops.aten.baddbmm.default, torch.ops.aten.mv.default, torch.ops.aten.dot.default}
-
-    def __init__(self, mantissa_bits=10):
-        super().__init__()
-        self.drop = 23 - mantissa_bits
-        self.calls = 0
-
-    def round_operand(self, t):
-        if not (isinstance(t, torch.Tensor) and t.dtype == torch.float32):
-            return t
-        bits = t.contiguous().view(torch.int32)
-        half, lsb = 1 << (self.drop - 1), (bits >> self.drop) & 1
-        rounded = ((bits + half - 1 + lsb) >> self.drop) << self.drop
-        return rounded.view(torch.float32).view(t.shape)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in self.OPS:
-            self.calls += 1
-            args = tuple(self.round_operand(a) for a in args)
-        return func(*args, **kwargs)
 
 
 def test_tf32_emulation_rounds_operands_like_tf32():
@@ -166,9 +96,10 @@ def test_tf32_emulation_rounds_operands_like_tf32():
 @pytest.mark.parametrize("mantissa_bits", [10, 7])  # TF32, and bf16 ("medium" precision)
 @pytest.mark.parametrize("n, budget", [(4, None), (6, 32)])
 def test_mhclite_exact_under_reduced_precision_matmuls(mantissa_bits, n, budget):
-    """The issue seen on an H100 with allow_tf32: 2.4e-4 row/column error. The emulation makes
-    the projection (and the mixing) run with rounded operands; H_res must stay exact because its
-    permutation combination uses no matmul."""
+    """H_res stays doubly stochastic to 1e-6 when float32 matmuls run at TF32 or bf16 precision
+    (allow_tf32 on an H100, where a matmul combination of the permutations is off by 2.4e-4 in its
+    row/column sums): the emulation runs the projection (and the mixing) with rounded operands, and
+    the permutation combination uses no matmul."""
     mode = ReducedPrecisionMatmuls(mantissa_bits)
     with mode:
         h = mhclite_h_res(n=n, scale=3.0, num_perms=budget)
@@ -398,14 +329,6 @@ def test_capture_records_documented_shapes_and_changes_nothing(residual):
 
 # ----------------------------------------------------------------------------------------------
 # bf16 streams under bf16 autocast: the projection GEMMs read x as it is
-
-
-def forward_and_grads(module, x, grad_out):
-    """The connection's output under bf16 autocast and the gradients of x and of every parameter."""
-    x = x.detach().requires_grad_()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = module(x, branch)
-    return out, torch.autograd.grad(out, [x, *module.parameters()], grad_out.to(out.dtype))
 
 
 @pytest.mark.parametrize("residual", ["hc", "mhc", "mhclite"])

@@ -15,10 +15,9 @@ import checkpoint
 import train
 from checkpoint import files, load_checkpoint, save_failure_line
 from config import REPO_DIR, load_config
-from conftest import (assert_one_error_line, assert_uninterrupted, kill_process_tree, read_all_metrics_lines,
-                      run_args, snapshot, temp_files, trajectory)
+from conftest import (assert_one_error_line, assert_uninterrupted, kill_process_tree, read_all_metrics,
+                      read_all_metrics_lines, run_args, snapshot, temp_files, trajectory)
 from model import GPT, GPT2_PADDED_VOCAB
-from test_train import read_all_metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

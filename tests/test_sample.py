@@ -11,7 +11,7 @@ import torch
 import sample
 import train
 from config import REPO_DIR
-from test_train import tiny_args
+from conftest import assert_one_error_line, tiny_args
 
 VARIANTS = ("res", "hc", "mhc", "mhclite")
 BLOCK = 32  # tiny_args' block_size
@@ -169,9 +169,7 @@ def test_bad_flags_and_prompts_are_one_line(run_dirs, flags, words, capsys):
         sample.main([f"--out_dir={run_dirs['mhc']}", "--device=cpu", *flags])
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("error: "), err
-    for word in words:
-        assert word in err
+    assert err == assert_one_error_line(err, *words, alone=True) + "\n" and err.startswith("error: "), err
 
 
 def test_missing_checkpoint_or_meta_is_one_line(run_dirs, tmp_path, capsys):
@@ -179,11 +177,12 @@ def test_missing_checkpoint_or_meta_is_one_line(run_dirs, tmp_path, capsys):
         sample.main([f"--out_dir={tmp_path / 'nothing'}", "--device=cpu"])
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith(f"error: checkpoint not found: {tmp_path / 'nothing'}")
+    assert err == assert_one_error_line(err, alone=True) + "\n", err
+    assert err.startswith(f"error: checkpoint not found: {tmp_path / 'nothing'}")
 
     with pytest.raises(SystemExit) as info:
         sample.main([f"--out_dir={run_dirs['res']}", "--device=cpu", f"--data_dir={tmp_path}"])
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith(f"error: missing {tmp_path / 'toy' / 'meta.json'}")
-    assert "--data_dir" in err
+    assert err == assert_one_error_line(err, "--data_dir", alone=True) + "\n", err
+    assert err.startswith(f"error: missing {tmp_path / 'toy' / 'meta.json'}")

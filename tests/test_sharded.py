@@ -10,7 +10,6 @@ import os
 import pickle
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,14 +30,13 @@ from analysis.collect import collect
 from checkpoint import (CheckpointError, CheckpointManager, ModelState, OptimizerState, RNGState, SaveError, TrainState,
                         files)
 from config import REPO_DIR, load_config
-from conftest import assert_one_error_line, one_error_line, randomise
+from conftest import (assert_one_error_line, free_port, load_export, one_error_line, randomise, read_metrics,
+                      tiny_args)
 from devices import World
 from model import GPT, GPTConfig
 from parallelize import apply_fsdp, apply_fused_connections
 from residuals import capture_connections
 from sample import load_model
-from test_hf_export import load_export
-from test_train import read_metrics, tiny_args
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -60,12 +58,6 @@ def torchrun(n, data_dir, out, popen=False, **overrides):
     if popen:
         return subprocess.Popen(args, cwd=REPO_DIR, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return subprocess.run(args, cwd=REPO_DIR, env=env, capture_output=True, text=True, timeout=300)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -582,7 +574,7 @@ def test_a_model_built_on_the_meta_device_and_sharded_gets_one_process_weights_b
 def test_a_rank_holds_about_its_shard_while_a_large_model_is_built():
     """A 7B-shaped model (width 4096, 32 heads) with 2 layers on 2 processes: each rank's peak memory
     while it builds, shards and initialises the model is its shard plus about the largest parameter
-    (the one being drawn), below the whole model, which the ranks used to build each."""
+    (the one being drawn), below the whole model: no rank ever holds all of it."""
     config = dict(block_size=64, vocab_size=256, n_layer=2, n_head=32, n_embd=4096, residual="mhclite")
     for record in construct_on_two_ranks([config]):
         assert record["shard"] == pytest.approx(record["whole"] / 2, rel=1e-3)

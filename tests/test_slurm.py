@@ -18,20 +18,13 @@ import pytest
 
 from checkpoint import load_checkpoint
 from config import REPO_DIR
-from conftest import RUN, assert_uninterrupted, read_all_metrics_lines, snapshot
-from test_train import read_all_metrics, tiny_args
+from conftest import RUN, assert_uninterrupted, free_port, read_all_metrics, read_all_metrics_lines, snapshot, tiny_args
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 SCRIPT = os.path.join(REPO_DIR, "scripts", "slurm_train.sbatch")
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
          "PREEMPTED"}
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 class Cluster:

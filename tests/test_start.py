@@ -16,9 +16,8 @@ import torch
 import train
 from checkpoint import load_checkpoint
 from config import REPO_DIR
-from conftest import (RUN, assert_one_error_line, assert_uninterrupted, one_error_line, run_args, snapshot,
-                      write_char_dataset)
-from test_train import run_cli, tiny_args
+from conftest import (RUN, assert_one_error_line, assert_uninterrupted, one_error_line, run_args, run_script,
+                      snapshot, tiny_args, write_char_dataset)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -66,7 +65,7 @@ def test_a_missing_or_damaged_newest_checkpoint_falls_back_to_the_newest_good_on
     out = copy_of(kept_run, tmp_path)
     damage(out / "ckpt.pt")
     damaged = (out / "ckpt.pt").read_bytes() if damage is not remove else None
-    proc = run_cli(run_args(data_dir, out, keep_checkpoints=3))
+    proc = run_script("train.py", *run_args(data_dir, out, keep_checkpoints=3))
     assert proc.returncode == 0, proc.stderr[-3000:]
     notes = [line for line in proc.stdout.splitlines() if line.startswith("note:")]
     resumed = f"note: resuming from {out / 'ckpt.4.pt'} (step 4), the newest checkpoint in {out} that loads and " \
@@ -90,7 +89,7 @@ def test_a_folder_where_no_checkpoint_loads_is_refused_in_one_line_and_left_as_i
     (out / "ckpt.3.pt.digest.json").unlink()  # as written before checkpoints carried digests: read as it is
     truncate(out / "ckpt.3.pt")
     before = snapshot(out)
-    proc = run_cli(run_args(data_dir, out))
+    proc = run_script("train.py", *run_args(data_dir, out))
     assert proc.returncode == 2 and proc.stdout == ""
     assert_one_error_line(proc.stderr, f"no checkpoint in {out} loads", f"{out / 'ckpt.pt'} is damaged: truncated",
                           f"{out / 'ckpt.4.pt'} is damaged: its bytes differ",
@@ -127,7 +126,7 @@ def test_a_resume_on_changed_data_is_refused_and_goes_on_when_allowed(data_dir, 
     train_bin = data / "toy" / "train.bin"
     train_bin.write_bytes(train_bin.read_bytes()[:-200])  # another corpus, 100 tokens shorter
     before = snapshot(out)
-    proc = run_cli(run_args(data, out, max_iters=4, eval_interval=2))
+    proc = run_script("train.py", *run_args(data, out, max_iters=4, eval_interval=2))
     assert proc.returncode == 2
     assert_one_error_line(proc.stderr, f"the data in {data / 'toy'} differs from what {out / 'ckpt.pt'} was trained on",
                           f"train.bin has {train_bin.stat().st_size:,} bytes, the run's had "

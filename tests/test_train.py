@@ -21,48 +21,16 @@ import train
 from checkpoint import (CheckpointError, CheckpointManager, ModelState, OptimizerState, TrainState, load_checkpoint,
                         save_checkpoint)
 from config import REPO_DIR, load_config
-from conftest import assert_one_error_line, one_error_line
+from conftest import (assert_one_error_line, one_error_line, read_all_metrics, read_metrics, run_script,
+                      tiny_args)
 from model import GPT, GPTConfig
 from sample import load_model
 
 TRAIN_KEYS = {"step", "train_loss", "lr", "grad_norm", "tokens_per_s", "step_ms", "mfu"}
 EVAL_KEYS = {"step", "eval_train_loss", "val_loss"}
-FIRST_STEP_KEYS = {"step", "first_step_s", "compiled"}
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def tiny_args(data_dir, out_dir, **overrides):
-    settings = dict(dataset="toy", data_dir=data_dir, out_dir=out_dir, size="tiny", residual="mhclite",
-                    n_layer=2, n_embd=64, block_size=32, batch_size=4, gradient_accumulation_steps=2,
-                    max_iters=20, warmup_iters=4, learning_rate=3e-3, min_lr=3e-4, eval_interval=10,
-                    eval_iters=2, log_interval=5, device="cpu", dtype="float32", compile=False)
-    settings.update(overrides)
-    return [f"--{key}={value}" for key, value in settings.items()]
-
-
-def read_all_metrics(out_dir):
-    """(train, eval, first-step) records of metrics.jsonl; every line is one of the three."""
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f]
-    train_records = [r for r in records if "train_loss" in r]
-    eval_records = [r for r in records if "val_loss" in r]
-    first_records = [r for r in records if "first_step_s" in r]
-    assert all(set(r) == FIRST_STEP_KEYS for r in first_records)
-    assert len(train_records) + len(eval_records) + len(first_records) == len(records)
-    return train_records, eval_records, first_records
-
-
-def read_metrics(out_dir):
-    train_records, eval_records, _ = read_all_metrics(out_dir)
-    return train_records, eval_records
-
-
-def run_cli(args, **kwargs):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, os.path.join(REPO_DIR, "train.py"), *args], cwd=REPO_DIR, env=env,
-                          capture_output=True, text=True, timeout=300, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -473,7 +441,7 @@ def test_resume_accepts_checkpoints_older_than_a_setting_and_a_fused_switch(data
     save_checkpoint(str(out / "ckpt.pt"), ckpt)
     train.main(tiny_args(data_dir, out, max_iters=3, eval_interval=3, init_from="resume"))
     train.main(tiny_args(data_dir, out, max_iters=4, eval_interval=4, init_from="resume", fused_connections=True))
-    proc = run_cli(tiny_args(data_dir, out, max_iters=5, init_from="resume", stream_dtype="bfloat16"))
+    proc = run_script("train.py", *tiny_args(data_dir, out, max_iters=5, init_from="resume", stream_dtype="bfloat16"))
     assert proc.returncode == 2
     assert_one_error_line(proc.stderr, "stream_dtype: checkpoint 'float32' vs run 'bfloat16'")
 
@@ -503,7 +471,7 @@ def test_authors_settings_are_saved_and_a_drawn_init_stream_resumes(data_dir, tm
         del ckpt["model_args"][key]
     save_checkpoint(str(old / "ckpt.pt"), ckpt)
     train.main(tiny_args(data_dir, old, max_iters=3, eval_interval=3, init_from="resume"))
-    proc = run_cli(tiny_args(data_dir, old, max_iters=4, init_from="resume", final_norm="per_stream"))
+    proc = run_script("train.py", *tiny_args(data_dir, old, max_iters=4, init_from="resume", final_norm="per_stream"))
     assert proc.returncode == 2
     assert_one_error_line(proc.stderr, "final_norm: checkpoint 'after_sum' vs run 'per_stream'")
 

@@ -1,4 +1,4 @@
-"""analysis/variants_study.py on fake runs of every variant (test_depth_study's: checkpoints of real,
+"""analysis/variants_study.py on fake runs of every variant (conftest's fake_run: checkpoints of real,
 perturbed models and metrics.jsonl files written here with planted val losses and gradient spikes), so
 that every number of the page can be recomputed: mhc with DeepSeek-V4's epsilons counted apart from the
 paper's mhc, the ratios to res, the comparisons the study was made for."""
@@ -17,14 +17,14 @@ import torch
 from analysis import variants_study
 from analysis.common import load_run
 from benchmarks.step import saved_activation_bytes
+from conftest import SPIKE_STEPS, fake_run, with_settings, write_fake_dataset
 from sample import load_model
-from test_depth_study import LR, SPIKE_STEPS, fake_run, with_settings, write_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 # study variant: (residual, settings beyond the residual)
 RUNS = {"res": ("res", {}), "hc": ("hc", {}), "mhc": ("mhc", {}), "mhc-v4eps": ("mhc", dict(mhc_eps=1e-6)),
         "mhclite": ("mhclite", {}), "kromhc": ("kromhc", {}), "ihc": ("ihc", {})}
-SEEDS, DEPTH = (0, 1), 2
+SEEDS, DEPTH, LR = (0, 1), 2, 1e-3
 
 
 def planted_val_loss(variant, seed):
@@ -35,7 +35,7 @@ def planted_val_loss(variant, seed):
 def written(tmp_path_factory):
     """{root, out, paths: {(variant, seed): run folder}, json: variants_study.json, page}."""
     root = tmp_path_factory.mktemp("variants_study")
-    write_dataset(root / "data")
+    write_fake_dataset(root / "data")
     paths = {}
     for variant, (residual, settings) in RUNS.items():
         for seed in SEEDS:
