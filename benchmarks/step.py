@@ -116,30 +116,18 @@ def path_variants(args, **common):
     return configs
 
 
-def with_activation_checkpointing(configs, setting):
-    """({name: Variant}, names whose blocks are checkpointed): "on" checkpoints every variant,
-    "both" adds "<name>+ac" next to each."""
+def with_setting(configs, setting, suffix):
+    """({name: Variant}, names run with an on/off setting of how they run): "on" for every variant,
+    "both" adds "<name><suffix>" next to each (AC_SUFFIX: activation checkpointing, GRAPHS_SUFFIX:
+    CUDA graphs)."""
     if setting == "off":
         return configs, set()
     if setting == "on":
         return configs, set(configs)
     named = {}
     for name, config in configs.items():
-        named[name], named[name + AC_SUFFIX] = config, config
-    return named, {name for name in named if name.endswith(AC_SUFFIX)}
-
-
-def with_cuda_graphs(configs, setting):
-    """({name: Variant}, names compiled with CUDA graphs): "on" for every variant, "both" adds
-    "<name>+graphs" next to each."""
-    if setting == "off":
-        return configs, set()
-    if setting == "on":
-        return configs, set(configs)
-    named = {}
-    for name, config in configs.items():
-        named[name], named[name + GRAPHS_SUFFIX] = config, config
-    return named, {name for name in named if name.endswith(GRAPHS_SUFFIX)}
+        named[name], named[name + suffix] = config, config
+    return named, {name for name in named if name.endswith(suffix)}
 
 
 def same_kind_baselines(names, baseline):
@@ -452,9 +440,8 @@ def run(args, argv):
         result.update(mode="n_sweep", baseline="mhc with the same n")
         heading, baseline_label = "n/K sweep: mhclite vs mhc", "mhc"
     else:
-        configs, checkpointed = with_activation_checkpointing(
-            path_variants(args, **common), args.activation_checkpointing)
-        configs, graphed = with_cuda_graphs(configs, args.cuda_graphs)
+        configs, checkpointed = with_setting(path_variants(args, **common), args.activation_checkpointing, AC_SUFFIX)
+        configs, graphed = with_setting(configs, args.cuda_graphs, GRAPHS_SUFFIX)
         checkpointed = {name for name in configs if name.removesuffix(GRAPHS_SUFFIX) in checkpointed}
         configs, modes = with_compile_modes(configs, args.compile_modes if args.use_compile else COMPILE_MODES[:1])
         checkpointed = {name for name in configs if name.removesuffix(BLOCKS_SUFFIX) in checkpointed}
