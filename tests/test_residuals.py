@@ -108,8 +108,8 @@ def test_mhclite_exact_under_reduced_precision_matmuls(mantissa_bits, n, budget)
 
 
 def test_matmul_permutation_combination_fails_under_tf32_emulation():
-    """The construction used before (softmax weights @ stacked permutation matrices) loses
-    exactness under emulated TF32, as it did on the H100; so the test above can fail."""
+    """The negative control: a combination as one GEMM (softmax weights @ stacked permutation
+    matrices) loses exactness under emulated TF32 matmuls, so the test above can fail."""
     weights = torch.softmax(torch.randn(4096, 24, generator=torch.Generator().manual_seed(0)) * 3.0, dim=-1)
     perms = permutation_matrices(permutations(4)).flatten(1)
     with ReducedPrecisionMatmuls(10):
